@@ -1,0 +1,40 @@
+# hotweights: every target sets itself up (creates .venv, installs, removes the broken torch extras) first.
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.hotweights-installed
+EXTRAS ?= cpu,dev
+
+.PHONY: setup test test-slow demo bench lint clean
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[$(EXTRAS)]'
+	@# PyPI's torchvision/torchaudio/torchcodec are CUDA/ABI-mismatched with torch's CPU build and break
+	@# transformers' and vLLM's model imports: remove them.
+	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+## the suite CI runs: fast core tests + real tiny vLLM engines (slow profiles excluded)
+test: $(STAMP)
+	$(PY) -m pytest -m "not slow" -p no:cacheprovider
+
+## long profiles (large fuzz runs, many-kill fault runs)
+test-slow: $(STAMP)
+	HYPOTHESIS_PROFILE=slow $(PY) -m pytest -m slow -p no:cacheprovider
+
+demo: $(STAMP)
+	$(PY) examples/demo.py
+
+bench: $(STAMP)
+	$(PY) benchmarks/bench_install.py
+
+lint: $(STAMP)
+	$(PY) -m ruff check src tests benchmarks examples
+	$(PY) -m ruff format --check src tests benchmarks examples
+	$(PY) -m mypy
+
+clean:
+	rm -rf $(VENV) build dist src/*.egg-info

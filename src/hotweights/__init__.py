@@ -1,0 +1,46 @@
+"""hotweights: install fresh weights into a running vLLM engine — validated, versioned, fast.
+
+Example:
+    >>> import hotweights                                                            # doctest: +SKIP
+    >>> report = hotweights.install(llm, model.state_dict(), weight_version=step)    # doctest: +SKIP
+"""
+
+from hotweights._install import adapter_for, install
+from hotweights.adapters.base import PrefixCachePolicy, WeightInstallAdapter
+from hotweights.adapters.inprocess import VLLMInProcessWeightReloadAdapter
+from hotweights.core.errors import (
+    EngineNotSupportedError,
+    HotWeightsError,
+    HotWeightsTimeoutError,
+    InstallError,
+    Mismatch,
+    StaleWeightVersionError,
+    UnsupportedLayoutError,
+    WeightManifestValidationError,
+)
+from hotweights.core.layout import WeightLayout
+from hotweights.core.manifest import ExpectedWeights, TensorSpec, WeightUpdateManifest
+from hotweights.core.report import InstallReport
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "EngineNotSupportedError",
+    "ExpectedWeights",
+    "HotWeightsError",
+    "HotWeightsTimeoutError",
+    "InstallError",
+    "InstallReport",
+    "Mismatch",
+    "PrefixCachePolicy",
+    "StaleWeightVersionError",
+    "TensorSpec",
+    "UnsupportedLayoutError",
+    "VLLMInProcessWeightReloadAdapter",
+    "WeightInstallAdapter",
+    "WeightLayout",
+    "WeightManifestValidationError",
+    "WeightUpdateManifest",
+    "adapter_for",
+    "install",
+]

@@ -1,0 +1,70 @@
+"""``hotweights.install(llm, tensors, weight_version=...)``: one call from a trainer loop."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping
+from typing import Any
+
+from hotweights.adapters.base import WeightInstallAdapter
+from hotweights.adapters.inprocess import VLLMInProcessWeightReloadAdapter
+from hotweights.core.errors import EngineNotSupportedError
+from hotweights.core.layout import WeightLayout
+from hotweights.core.manifest import MetadataValue, TensorsLike, WeightUpdateManifest, _as_items
+from hotweights.core.report import InstallReport
+from hotweights.engine import compat
+
+__all__ = ["adapter_for", "install"]
+
+# The adapter lives on the engine object itself: it holds the engine, so a registry keyed by the engine would keep
+# every engine alive. Stored on the LLM, both go together when the user drops the LLM.
+_ATTR = "_hotweights_adapter"
+_ADAPTERS_LOCK = threading.Lock()
+
+
+def adapter_for(llm: Any) -> WeightInstallAdapter:
+    """The adapter that fits ``llm``, created on first use and kept for the engine's lifetime (it holds the
+    active version)."""
+    with _ADAPTERS_LOCK:
+        adapter: WeightInstallAdapter | None = getattr(llm, _ATTR, None)
+        if adapter is None:
+            mode = compat.engine_mode(llm)
+            if mode != "inprocess":
+                raise EngineNotSupportedError(
+                    "this vllm.LLM runs a multiprocess engine, which this hotweights version cannot install into "
+                    "yet; start it with VLLM_ENABLE_V1_MULTIPROCESSING=0 (the engine then runs in this process)."
+                )
+            adapter = VLLMInProcessWeightReloadAdapter(llm)
+            setattr(llm, _ATTR, adapter)
+        return adapter
+
+
+def install(
+    llm: Any,
+    tensors: TensorsLike,
+    *,
+    weight_version: int,
+    update_id: str | None = None,
+    layout: WeightLayout | None = None,
+    metadata: Mapping[str, MetadataValue] | None = None,
+    force: bool = False,
+) -> InstallReport:
+    """Install ``tensors`` (checkpoint format, e.g. ``model.state_dict()``) into a running ``vllm.LLM``.
+
+    Builds the manifest, validates it against the tensors and the engine, installs through the adapter that fits
+    the engine, resets the prefix cache and returns the report.
+
+    Raises:
+        WeightManifestValidationError: the tensors do not match what the engine serves; nothing was written.
+        StaleWeightVersionError: ``weight_version`` is not newer than the active one (pass ``force=True``).
+        EngineNotSupportedError: no adapter fits this engine.
+
+    Example:
+        >>> report = hotweights.install(llm, model.state_dict(), weight_version=step)  # doctest: +SKIP
+        >>> print(report)                                                               # doctest: +SKIP
+    """
+    items = _as_items(tensors)
+    manifest = WeightUpdateManifest.from_state_dict(
+        items, weight_version=weight_version, update_id=update_id, layout=layout, metadata=metadata
+    )
+    return adapter_for(llm).install(manifest, items, force=force)

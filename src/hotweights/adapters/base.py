@@ -1,0 +1,182 @@
+"""The one contract every install path implements: ``install(manifest, tensors) -> InstallReport``.
+
+:meth:`WeightInstallAdapter.install` owns everything that must be the same for every path: serialising installs,
+layout and version checks, validation of the tensors against the manifest and of the manifest against what the
+engine expects (all before the first write), timing, the prefix-cache policy and version bookkeeping. Adapters
+implement the underscore hooks.
+"""
+
+from __future__ import annotations
+
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import ClassVar, Literal
+
+import torch
+
+from hotweights.core.errors import (
+    HotWeightsError,
+    HotWeightsTimeoutError,
+    InstallError,
+    StaleWeightVersionError,
+    WeightManifestValidationError,
+)
+from hotweights.core.layout import SUPPORTED_FORMATS
+from hotweights.core.manifest import ExpectedWeights, TensorsLike, WeightUpdateManifest, _as_items
+from hotweights.core.report import InstallReport, PhaseTimer
+
+__all__ = ["PrefixCachePolicy", "WeightInstallAdapter"]
+
+PrefixCachePolicy = Literal["reset", "keep"]
+"""``reset`` (default): drop cached prefixes after every install so no output is computed from KV entries of the
+old weights. ``keep``: leave the cache (only for callers that reset it themselves)."""
+
+Items = Sequence[tuple[str, torch.Tensor]]
+
+
+class WeightInstallAdapter(ABC):
+    """Base class of every install path.
+
+    Args:
+        expected: what the engine accepts; every manifest is checked against it before anything is written.
+            None skips that check (the engine then reports shape errors itself, possibly after partial writes).
+        prefix_cache: see :data:`PrefixCachePolicy`.
+        lock_timeout: seconds to wait for a concurrent install to finish before raising
+            :class:`HotWeightsTimeoutError` (None waits forever).
+    """
+
+    #: Short name used in reports.
+    name: ClassVar[str] = "adapter"
+    #: Weight formats this adapter installs.
+    formats: ClassVar[frozenset[str]] = SUPPORTED_FORMATS
+    #: Whether tensor-parallel shards are accepted.
+    sharded: ClassVar[bool] = False
+
+    def __init__(
+        self,
+        *,
+        expected: ExpectedWeights | None = None,
+        prefix_cache: PrefixCachePolicy = "reset",
+        lock_timeout: float | None = 600.0,
+    ) -> None:
+        if prefix_cache not in ("reset", "keep"):
+            raise ValueError(f"prefix_cache must be 'reset' or 'keep', not {prefix_cache!r}")
+        self.expected = expected
+        self.prefix_cache: PrefixCachePolicy = prefix_cache
+        self.lock_timeout = lock_timeout
+        self.active_weight_version: int | None = None
+        """Version now served; None until the first install (the weights the engine started with)."""
+        self.active_update_id: str | None = None
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------------ public verb
+    def install(self, manifest: WeightUpdateManifest, tensors: TensorsLike, *, force: bool = False) -> InstallReport:
+        """Validate ``tensors`` against ``manifest`` and the engine, install them, and report.
+
+        Args:
+            manifest: what is being installed (see :meth:`WeightUpdateManifest.from_state_dict`).
+            tensors: mapping or ``(name, tensor)`` pairs in checkpoint format, on any device.
+            force: install even if ``manifest.weight_version`` is not newer than the active version.
+
+        Raises:
+            WeightManifestValidationError: names, shapes or dtypes do not match (every mismatch listed);
+                nothing was written.
+            UnsupportedLayoutError: the manifest's layout is not one this adapter installs.
+            StaleWeightVersionError: the version is not newer than the active one and ``force`` is False.
+            HotWeightsTimeoutError: another install held the lock past ``lock_timeout``.
+            InstallError: the engine failed while installing.
+        """
+        timeout = -1 if self.lock_timeout is None else self.lock_timeout
+        if not self._lock.acquire(timeout=timeout):
+            raise HotWeightsTimeoutError(
+                f"waited {self.lock_timeout} s for another install on this engine to finish; retry later or "
+                "raise lock_timeout"
+            )
+        try:
+            return self._install_locked(manifest, _as_items(tensors), force)
+        finally:
+            self._lock.release()
+
+    def _install_locked(self, manifest: WeightUpdateManifest, items: Items, force: bool) -> InstallReport:
+        timer = PhaseTimer()
+        with timer("validate"):
+            send, skipped = self._validate(manifest, items, force)
+        try:
+            self._install(manifest, send, timer)
+        except HotWeightsError:
+            raise
+        except Exception as exc:
+            raise InstallError(
+                f"the engine failed while installing update {manifest.update_id} (v{manifest.weight_version}): "
+                f"{type(exc).__name__}: {exc}. The active version stays {self.active_weight_version}; "
+                "install a full update again before serving."
+            ) from exc
+        previous = self.active_weight_version
+        # The new weights are in: from here on the engine serves them, whatever happens next.
+        self.active_weight_version = manifest.weight_version
+        self.active_update_id = manifest.update_id
+        reset = False
+        try:
+            if self.prefix_cache == "reset":
+                with timer("reset_prefix_cache"):
+                    reset = self._reset_prefix_cache()
+            with timer("record_version"):
+                engine_version = self._record_engine_version(str(manifest.weight_version))
+        except Exception as exc:
+            raise InstallError(
+                f"v{manifest.weight_version} was installed, but the follow-up step failed: {type(exc).__name__}: "
+                f"{exc}. Call llm.reset_prefix_cache() before serving, so no output reuses the old weights' KV "
+                "blocks."
+            ) from exc
+        return InstallReport(
+            update_id=manifest.update_id,
+            weight_version=manifest.weight_version,
+            previous_version=previous,
+            adapter=self.name,
+            num_tensors=len(send),
+            num_bytes=sum(t.nbytes for _, t in send),
+            skipped=tuple(f"{n}: {why}" for n, why in skipped),
+            prefix_cache_reset=reset,
+            engine_weight_version=engine_version,
+            phases=timer.phases,
+        )
+
+    def _validate(
+        self, manifest: WeightUpdateManifest, items: Items, force: bool
+    ) -> tuple[list[tuple[str, torch.Tensor]], list[tuple[str, str]]]:
+        manifest.layout.validate_supported(self.formats, self.sharded)
+        active = self.active_weight_version
+        if active is not None and manifest.weight_version <= active and not force:
+            raise StaleWeightVersionError(manifest.weight_version, active)
+        problems = manifest.mismatches(items)
+        if self.expected is not None:
+            problems += self.expected.mismatches(manifest)
+        if problems:
+            raise WeightManifestValidationError(problems)
+        ignored = self.expected.ignored if self.expected is not None else {}
+        send = [(n, t) for n, t in items if n not in ignored]
+        skipped = [(n, ignored[n]) for n, _ in items if n in ignored]
+        return send, skipped
+
+    # ------------------------------------------------------------------ hooks
+    @abstractmethod
+    def _install(self, manifest: WeightUpdateManifest, items: Items, timer: PhaseTimer) -> None:
+        """Write validated tensors into the engine; time sub-phases with ``timer``."""
+
+    def _reset_prefix_cache(self) -> bool:
+        """Drop the engine's cached prefixes; True when the engine confirmed."""
+        return False
+
+    def _record_engine_version(self, version: str) -> str | None:
+        """Store the version in the engine where it keeps one; return what the engine reports."""
+        return None
+
+    def close(self) -> None:  # noqa: B027 - optional hook, a no-op unless an adapter holds resources
+        """Release what the adapter holds (no-op by default)."""
+
+    def __enter__(self) -> WeightInstallAdapter:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()

@@ -1,0 +1,73 @@
+"""Install through vLLM's layerwise ``reload_weights`` into an engine that runs in this process."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hotweights.adapters.base import Items, PrefixCachePolicy, WeightInstallAdapter
+from hotweights.core.errors import EngineNotSupportedError
+from hotweights.core.manifest import ExpectedWeights, WeightUpdateManifest
+from hotweights.core.report import PhaseTimer
+from hotweights.engine import compat
+from hotweights.engine.expected import expected_weights
+
+__all__ = ["VLLMInProcessWeightReloadAdapter"]
+
+
+class VLLMInProcessWeightReloadAdapter(WeightInstallAdapter):
+    """Installs checkpoint-format tensors into an in-process ``vllm.LLM`` with one layerwise reload.
+
+    The engine must run in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``): tensors are then handed over by
+    reference, never serialised. All tensors of an update go into a single ``reload_weights`` call, so fused
+    parameters (q/k/v -> ``qkv_proj``, gate/up -> ``gate_up_proj``) are always rebuilt from complete parts, and
+    vLLM's post-load processing (e.g. oneDNN packing on CPU) runs on the new weights.
+
+    Args:
+        llm: the ``vllm.LLM``.
+        expected: what the engine accepts; by default read from the safetensors headers of the model directory the
+            engine was started from, in the engine's dtype.
+        prefix_cache: ``"reset"`` (default) or ``"keep"``.
+        rpc_timeout: seconds vLLM may take for the reload call (None: no limit).
+        lock_timeout: see :class:`WeightInstallAdapter`.
+
+    Example:
+        >>> adapter = VLLMInProcessWeightReloadAdapter(llm)                          # doctest: +SKIP
+        >>> manifest = WeightUpdateManifest.from_module(model, weight_version=step)  # doctest: +SKIP
+        >>> adapter.install(manifest, model.state_dict())                            # doctest: +SKIP
+    """
+
+    name = "inprocess-reload"
+
+    def __init__(
+        self,
+        llm: Any,
+        *,
+        expected: ExpectedWeights | None = None,
+        prefix_cache: PrefixCachePolicy = "reset",
+        rpc_timeout: float | None = None,
+        lock_timeout: float | None = 600.0,
+    ) -> None:
+        mode = compat.engine_mode(llm)
+        if mode != "inprocess":
+            raise EngineNotSupportedError(
+                "this vllm.LLM runs its engine in other processes; the in-process adapter hands tensors over by "
+                "reference and cannot reach them. Start the engine with VLLM_ENABLE_V1_MULTIPROCESSING=0, or use "
+                "hotweights.install(llm, ...) to pick an adapter that fits."
+            )
+        super().__init__(
+            expected=expected if expected is not None else expected_weights(llm),
+            prefix_cache=prefix_cache,
+            lock_timeout=lock_timeout,
+        )
+        self.llm = llm
+        self.rpc_timeout = rpc_timeout
+
+    def _install(self, manifest: WeightUpdateManifest, items: Items, timer: PhaseTimer) -> None:
+        with timer("install"):
+            compat.reload_weights(self.llm, items, timeout=self.rpc_timeout)
+
+    def _reset_prefix_cache(self) -> bool:
+        return compat.reset_prefix_cache(self.llm)
+
+    def _record_engine_version(self, version: str) -> str | None:
+        return compat.set_engine_weight_version(self.llm, version)

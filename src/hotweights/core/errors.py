@@ -1,0 +1,113 @@
+"""Every error hotweights raises, rooted at :class:`HotWeightsError`.
+
+Hierarchy::
+
+    HotWeightsError
+    ├── WeightManifestValidationError   tensors or manifest do not match (names every mismatch)
+    ├── UnsupportedLayoutError          a layout this version or adapter cannot install
+    ├── StaleWeightVersionError         weight_version not newer than the active one
+    ├── EngineNotSupportedError         no adapter fits this engine (or its mode)
+    ├── InstallError                    the engine failed while installing
+    └── HotWeightsTimeoutError          a wait ran past its timeout (names what it waited for)
+
+Errors from torch or vLLM are mapped with ``raise ... from exc`` so the original stays in the traceback.
+Every message says what to do next.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+__all__ = [
+    "EngineNotSupportedError",
+    "HotWeightsError",
+    "HotWeightsTimeoutError",
+    "InstallError",
+    "Mismatch",
+    "StaleWeightVersionError",
+    "UnsupportedLayoutError",
+    "WeightManifestValidationError",
+]
+
+MismatchKind = Literal["missing", "unexpected", "shape", "dtype", "nbytes", "not_tensor", "manifest"]
+
+
+class HotWeightsError(Exception):
+    """Root of every error hotweights raises."""
+
+
+@dataclass(frozen=True)
+class Mismatch:
+    """One difference between what was expected and what was given."""
+
+    kind: MismatchKind
+    name: str
+    expected: str = ""
+    actual: str = ""
+
+    def __str__(self) -> str:
+        if self.kind == "missing":
+            return f"missing tensor {self.name!r} (expected {self.expected})"
+        if self.kind == "unexpected":
+            return f"unexpected tensor {self.name!r} ({self.actual})"
+        if self.kind == "manifest":
+            return f"{self.name}: {self.actual}"
+        return f"{self.kind} mismatch for {self.name!r}: expected {self.expected}, got {self.actual}"
+
+
+_HINTS: dict[str, str] = {
+    "missing": "send every tensor the engine expects (or build the manifest from the same tensors you send)",
+    "unexpected": "drop tensors the engine does not have, or check their names are in checkpoint (HF) format",
+    "shape": "send full, unsharded checkpoint-format tensors with the shapes the model was built with",
+    "dtype": "cast to the engine's dtype first, e.g. tensor.to(torch.bfloat16)",
+    "nbytes": "make the tensor contiguous and check its dtype and shape",
+    "not_tensor": "pass torch.Tensor values",
+    "manifest": "fix the manifest fields named above",
+}
+
+
+class WeightManifestValidationError(HotWeightsError):
+    """Tensors or a manifest failed validation; nothing was written.
+
+    ``mismatches`` lists every difference found, not just the first.
+    """
+
+    def __init__(self, mismatches: Sequence[Mismatch], context: str = "weight update") -> None:
+        self.mismatches: tuple[Mismatch, ...] = tuple(mismatches)
+        kinds = sorted({m.kind for m in self.mismatches})
+        lines = [f"{context} refused, nothing was written: {len(self.mismatches)} mismatch(es)"]
+        lines += [f"  - {m}" for m in self.mismatches[:50]]
+        if len(self.mismatches) > 50:
+            lines.append(f"  ... and {len(self.mismatches) - 50} more (see .mismatches)")
+        lines += [f"  fix ({k}): {_HINTS[k]}" for k in kinds]
+        super().__init__("\n".join(lines))
+
+
+class UnsupportedLayoutError(HotWeightsError):
+    """The update's :class:`~hotweights.WeightLayout` cannot be installed by this version or adapter."""
+
+
+class StaleWeightVersionError(HotWeightsError):
+    """The update's ``weight_version`` is not newer than the one the engine is serving."""
+
+    def __init__(self, requested: int, active: int) -> None:
+        self.requested = requested
+        self.active = active
+        super().__init__(
+            f"weight_version {requested} is not newer than the active version {active}; nothing was written. "
+            "Pass a larger weight_version (e.g. the optimizer step), or force=True to install it anyway."
+        )
+
+
+class EngineNotSupportedError(HotWeightsError):
+    """No adapter can install into this engine as it is configured."""
+
+
+class InstallError(HotWeightsError):
+    """The engine raised while installing; the original error is chained as ``__cause__``."""
+
+
+class HotWeightsTimeoutError(HotWeightsError, TimeoutError):
+    """A wait (rendezvous, RPC, lock) ran past its timeout; the message names what it waited for."""

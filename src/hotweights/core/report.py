@@ -1,0 +1,78 @@
+"""What an install did: :class:`InstallReport`."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from pydantic import BaseModel, ConfigDict, Field
+
+__all__ = ["InstallReport", "PhaseTimer"]
+
+
+class InstallReport(BaseModel):
+    """The outcome of one successful install.
+
+    ``phases`` holds wall seconds per phase, in order (e.g. ``validate``, ``install``, ``reset_prefix_cache``).
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    update_id: str
+    weight_version: int
+    previous_version: int | None
+    """The version served before this install (None: the weights the engine started with)."""
+    adapter: str
+    """Name of the adapter that installed (e.g. ``"inprocess-reload"``)."""
+    num_tensors: int
+    """Tensors installed into the engine."""
+    num_bytes: int
+    """Bytes of those tensors."""
+    skipped: tuple[str, ...] = ()
+    """Tensors accepted but not sent, each with the reason (e.g. a tied ``lm_head.weight``)."""
+    prefix_cache_reset: bool
+    """Whether the engine's prefix cache was reset after the install."""
+    engine_weight_version: str | None = None
+    """The version recorded in the engine itself, where vLLM keeps one."""
+    phases: dict[str, float] = Field(default_factory=dict)
+
+    @property
+    def seconds(self) -> float:
+        """Total wall time of the install."""
+        return sum(self.phases.values())
+
+    @property
+    def gbps(self) -> float:
+        """Installed gigabytes (1e9 bytes) per second of total time."""
+        return self.num_bytes / 1e9 / self.seconds if self.seconds > 0 else float("inf")
+
+    def __str__(self) -> str:
+        phases = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in self.phases.items())
+        return (
+            f"installed v{self.weight_version} ({self.num_tensors} tensors, {self.num_bytes / 1e6:.1f} MB) via "
+            f"{self.adapter} in {self.seconds:.3f} s ({self.gbps:.2f} GB/s): {phases}"
+        )
+
+
+class PhaseTimer:
+    """Collects wall seconds per named phase.
+
+    Example:
+        >>> t = PhaseTimer()
+        >>> with t("validate"):
+        ...     pass
+        >>> list(t.phases)
+        ['validate']
+    """
+
+    def __init__(self) -> None:
+        self.phases: dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.phases[name] = self.phases.get(name, 0.0) + time.perf_counter() - start

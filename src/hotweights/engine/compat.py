@@ -1,0 +1,97 @@
+"""Every vLLM-version quirk hotweights relies on, in one place (checked against vLLM 0.32).
+
+Nothing here imports vLLM at module import time: an ``LLM`` object is passed in and only its attributes are used,
+so ``import hotweights`` stays cheap and works without vLLM.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hotweights.core.errors import EngineNotSupportedError
+
+__all__ = [
+    "engine_dtype",
+    "engine_mode",
+    "engine_model_dir",
+    "reload_weights",
+    "reset_prefix_cache",
+    "set_engine_weight_version",
+    "tie_word_embeddings",
+]
+
+#: Tested vLLM release line.
+TESTED_VLLM = "0.32"
+
+
+def _llm_engine(llm: Any) -> Any:
+    engine = getattr(llm, "llm_engine", None)
+    if engine is None or not hasattr(engine, "engine_core"):
+        raise EngineNotSupportedError(
+            f"{type(llm).__name__} is not a vllm.LLM (no llm_engine.engine_core); pass the vllm.LLM instance "
+            f"(vLLM {TESTED_VLLM} is the tested version)."
+        )
+    return engine
+
+
+def engine_mode(llm: Any) -> str:
+    """``"inprocess"`` when the engine core runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``),
+    else ``"multiprocess"``."""
+    core = _llm_engine(llm).engine_core
+    return "inprocess" if type(core).__name__ == "InprocClient" else "multiprocess"
+
+
+def _model_config(llm: Any) -> Any:
+    return _llm_engine(llm).model_config
+
+
+def engine_dtype(llm: Any) -> torch.dtype:
+    """The dtype the engine keeps its weights in."""
+    dtype = _model_config(llm).dtype
+    assert isinstance(dtype, torch.dtype)
+    return dtype
+
+
+def engine_model_dir(llm: Any) -> Path | None:
+    """Local directory the engine loaded its model from, when there is one."""
+    path = Path(str(_model_config(llm).model))
+    return path if path.is_dir() else None
+
+
+def tie_word_embeddings(llm: Any) -> bool:
+    """Whether ``lm_head`` shares the input embedding (its checkpoint then has no ``lm_head.weight``)."""
+    cfg = _model_config(llm)
+    for c in (getattr(cfg, "hf_text_config", None), getattr(cfg, "hf_config", None)):
+        if c is not None and getattr(c, "tie_word_embeddings", None) is not None:
+            return bool(c.tie_word_embeddings)
+    return False
+
+
+def reload_weights(llm: Any, items: Sequence[tuple[str, torch.Tensor]], timeout: float | None = None) -> None:
+    """One layerwise reload of checkpoint-format tensors in an in-process engine.
+
+    The worker function is passed by reference (in-process ``collective_rpc`` calls it directly; nothing is
+    serialised). In a multiprocess engine tensors would arrive as lists and callables need pickle: use the
+    worker extension instead.
+    """
+    from hotweights.engine.worker_ops import reload_checkpoint_tensors
+
+    llm.collective_rpc(reload_checkpoint_tensors, timeout=timeout, args=(list(items),))
+
+
+def reset_prefix_cache(llm: Any) -> bool:
+    """Drop cached prefixes computed with the old weights; True when the engine confirmed."""
+    return bool(llm.reset_prefix_cache())
+
+
+def set_engine_weight_version(llm: Any, version: str) -> str | None:
+    """Record ``version`` in the engine (vLLM attaches it to outputs); None where this vLLM has no such API."""
+    engine = _llm_engine(llm)
+    if not hasattr(engine, "set_weight_version"):
+        return None
+    engine.set_weight_version(version)
+    return str(engine.get_weight_version())

@@ -1,0 +1,156 @@
+"""Tiny models and greedy-output helpers for testing installs against a real engine (needs ``transformers``).
+
+Used by hotweights' own tests, demo and benchmarks, and meant for users' tests too: build two tiny checkpoints,
+start an engine on one, install the other, and compare greedy outputs with a fresh engine.
+
+Example:
+    >>> from hotweights.testing import build_tiny_model               # doctest: +SKIP
+    >>> model = build_tiny_model("qwen2", seed=1)                      # doctest: +SKIP
+    >>> model.save_pretrained("/tmp/tiny-a")                           # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+__all__ = [
+    "PROMPTS",
+    "Arch",
+    "build_tiny_model",
+    "greedy_hf",
+    "greedy_vllm",
+    "save_tiny_model",
+    "start_engine",
+    "stop_engine",
+    "tiny_config",
+]
+
+Arch = Literal["qwen2", "llama"]
+
+#: Block size the helpers start engines with; ``PROMPTS`` has one prompt longer than a block.
+BLOCK_SIZE = 32
+
+#: Greedy test prompts: three short ones and one longer than a KV block (exercises the prefix cache).
+PROMPTS: list[list[int]] = [
+    [1, 2, 3, 4, 5],
+    [17, 99, 3, 250, 7, 7, 8],
+    [900, 12, 512],
+    [(i * 37 + 11) % 1000 for i in range(BLOCK_SIZE + 9)],
+]
+
+
+def tiny_config(
+    arch: Arch = "qwen2",
+    *,
+    tie: bool = False,
+    hidden: int = 128,
+    layers: int = 2,
+    heads: int = 4,
+    kv_heads: int = 2,
+    intermediate: int = 256,
+    vocab: int = 1000,
+) -> Any:
+    """A transformers config for a tiny decoder (head_dim = hidden / heads must be >= 32 for CPU attention)."""
+    from transformers import LlamaConfig, Qwen2Config
+
+    cls = {"qwen2": Qwen2Config, "llama": LlamaConfig}[arch]
+    return cls(
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        intermediate_size=intermediate,
+        vocab_size=vocab,
+        max_position_embeddings=512,
+        tie_word_embeddings=tie,
+        bos_token_id=0,
+        eos_token_id=1,
+        pad_token_id=1,
+    )
+
+
+def build_tiny_model(
+    arch: Arch = "qwen2",
+    seed: int = 0,
+    *,
+    tie: bool = False,
+    std: float = 0.3,
+    dtype: torch.dtype = torch.float32,
+    **config: Any,
+) -> Any:
+    """A randomly initialised ``*ForCausalLM``; ``std`` is large enough that different seeds give different
+    greedy outputs."""
+    from transformers import AutoModelForCausalLM
+
+    cfg = tiny_config(arch, tie=tie, **config)
+    gen = torch.Generator().manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)  # type: ignore[no-untyped-call]
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() >= 2:
+                p.copy_(torch.randn(p.shape, generator=gen) * std)
+            elif name.endswith("bias"):
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+    return model.to(dtype).eval()
+
+
+def save_tiny_model(model: Any, path: str | os.PathLike[str]) -> Path:
+    """``save_pretrained`` as safetensors; returns the directory."""
+    out = Path(path)
+    model.save_pretrained(out, safe_serialization=True)
+    return out
+
+
+def start_engine(path: str | os.PathLike[str], dtype: str = "float32", **overrides: Any) -> Any:
+    """A small CPU-friendly ``vllm.LLM`` on a local model directory (no tokenizer, prefix caching on)."""
+    from vllm import LLM
+
+    kwargs: dict[str, Any] = dict(
+        model=str(path),
+        skip_tokenizer_init=True,
+        dtype=dtype,
+        max_model_len=128,
+        enforce_eager=True,
+        max_num_seqs=4,
+        seed=0,
+        kv_cache_memory_bytes=64 << 20,
+        block_size=BLOCK_SIZE,
+        enable_prefix_caching=True,
+    )
+    kwargs.update(overrides)
+    return LLM(**kwargs)
+
+
+def stop_engine(llm: Any) -> None:
+    """Shut an engine down now.
+
+    In-process engines must be stopped explicitly: vLLM ``gc.freeze()``-s objects at start-up, so a dropped engine
+    may be collected much later, and its finalizer then tears down the process-wide parallel groups that the
+    *current* engine uses ("pipeline model parallel group is not initialized").
+    """
+    llm.llm_engine.engine_core.shutdown()
+
+
+def greedy_vllm(llm: Any, prompts: Sequence[Sequence[int]] = PROMPTS, max_tokens: int = 8) -> list[list[int]]:
+    """Greedy token ids from a ``vllm.LLM`` for each prompt."""
+    from vllm import SamplingParams
+
+    sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False)
+    outs = llm.generate([{"prompt_token_ids": list(p)} for p in prompts], sp, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+@torch.no_grad()
+def greedy_hf(model: Any, prompts: Sequence[Sequence[int]] = PROMPTS, max_tokens: int = 8) -> list[list[int]]:
+    """Greedy token ids from a transformers model, one prompt at a time (no padding)."""
+    result = []
+    for p in prompts:
+        ids = torch.tensor([list(p)])
+        out = model.generate(ids, max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False, pad_token_id=1)
+        result.append(out[0, len(p) :].tolist())
+    return result
