@@ -8,6 +8,7 @@ Example:
 from hotweights._install import adapter_for, install
 from hotweights.adapters.base import PrefixCachePolicy, WeightInstallAdapter
 from hotweights.adapters.inprocess import VLLMInProcessWeightReloadAdapter
+from hotweights.adapters.multiprocess import VLLMMultiprocessAdapter
 from hotweights.core.errors import (
     EngineNotSupportedError,
     HotWeightsError,
@@ -21,10 +22,13 @@ from hotweights.core.errors import (
 from hotweights.core.layout import WeightLayout
 from hotweights.core.manifest import ExpectedWeights, TensorSpec, WeightUpdateManifest
 from hotweights.core.report import InstallReport
+from hotweights.engine.compat import WORKER_EXTENSION
+from hotweights.transports import WeightTransport, available_transports, make_transport, register_transport
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "WORKER_EXTENSION",
     "EngineNotSupportedError",
     "ExpectedWeights",
     "HotWeightsError",
@@ -37,10 +41,15 @@ __all__ = [
     "TensorSpec",
     "UnsupportedLayoutError",
     "VLLMInProcessWeightReloadAdapter",
+    "VLLMMultiprocessAdapter",
     "WeightInstallAdapter",
     "WeightLayout",
     "WeightManifestValidationError",
+    "WeightTransport",
     "WeightUpdateManifest",
     "adapter_for",
+    "available_transports",
     "install",
+    "make_transport",
+    "register_transport",
 ]

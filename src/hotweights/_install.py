@@ -8,7 +8,7 @@ from typing import Any
 
 from hotweights.adapters.base import WeightInstallAdapter
 from hotweights.adapters.inprocess import VLLMInProcessWeightReloadAdapter
-from hotweights.core.errors import EngineNotSupportedError
+from hotweights.adapters.multiprocess import VLLMMultiprocessAdapter
 from hotweights.core.layout import WeightLayout
 from hotweights.core.manifest import MetadataValue, TensorsLike, WeightUpdateManifest, _as_items
 from hotweights.core.report import InstallReport
@@ -24,17 +24,15 @@ _ADAPTERS_LOCK = threading.Lock()
 
 def adapter_for(llm: Any) -> WeightInstallAdapter:
     """The adapter that fits ``llm``, created on first use and kept for the engine's lifetime (it holds the
-    active version)."""
+    active version): in-process reload for in-process engines, shared memory for multiprocess ones (started with
+    ``worker_extension_cls=hotweights.WORKER_EXTENSION``; without it, :class:`EngineNotSupportedError` says so)."""
     with _ADAPTERS_LOCK:
         adapter: WeightInstallAdapter | None = getattr(llm, _ATTR, None)
         if adapter is None:
-            mode = compat.engine_mode(llm)
-            if mode != "inprocess":
-                raise EngineNotSupportedError(
-                    "this vllm.LLM runs a multiprocess engine, which this hotweights version cannot install into "
-                    "yet; start it with VLLM_ENABLE_V1_MULTIPROCESSING=0 (the engine then runs in this process)."
-                )
-            adapter = VLLMInProcessWeightReloadAdapter(llm)
+            if compat.engine_mode(llm) == "inprocess":
+                adapter = VLLMInProcessWeightReloadAdapter(llm)
+            else:
+                adapter = VLLMMultiprocessAdapter(llm, transport="shm")
             setattr(llm, _ATTR, adapter)
         return adapter
 

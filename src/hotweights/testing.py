@@ -106,9 +106,21 @@ def save_tiny_model(model: Any, path: str | os.PathLike[str]) -> Path:
     return out
 
 
-def start_engine(path: str | os.PathLike[str], dtype: str = "float32", **overrides: Any) -> Any:
-    """A small CPU-friendly ``vllm.LLM`` on a local model directory (no tokenizer, prefix caching on)."""
+def start_engine(
+    path: str | os.PathLike[str], dtype: str = "float32", *, multiprocess: bool | None = None, **overrides: Any
+) -> Any:
+    """A small CPU-friendly ``vllm.LLM`` on a local model directory (no tokenizer, prefix caching on).
+
+    ``multiprocess`` sets ``VLLM_ENABLE_V1_MULTIPROCESSING`` for this engine (None: leave the environment as is).
+    """
     from vllm import LLM
+
+    if multiprocess is not None:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if multiprocess else "0"
+        import vllm.envs
+
+        # vLLM caches its environment once an engine has started; a later engine must see the new mode.
+        getattr(vllm.envs, "disable_envs_cache", lambda: None)()
 
     kwargs: dict[str, Any] = dict(
         model=str(path),

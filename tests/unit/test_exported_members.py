@@ -27,16 +27,22 @@ EXPECTED_ALL = [
     "TensorSpec",
     "UnsupportedLayoutError",
     "VLLMInProcessWeightReloadAdapter",
+    "VLLMMultiprocessAdapter",
+    "WORKER_EXTENSION",
     "WeightInstallAdapter",
     "WeightLayout",
     "WeightManifestValidationError",
+    "WeightTransport",
     "WeightUpdateManifest",
     "adapter_for",
+    "available_transports",
     "install",
+    "make_transport",
+    "register_transport",
 ]
 
 #: Exports that are type aliases (no runtime ``__doc__``): the module whose source documents them.
-ALIAS_HOMES = {"PrefixCachePolicy": "hotweights.adapters.base"}
+ALIAS_HOMES = {"PrefixCachePolicy": "hotweights.adapters.base", "WORKER_EXTENSION": "hotweights.engine.compat"}
 
 
 def test_all_is_pinned() -> None:

@@ -70,6 +70,11 @@ class WeightInstallAdapter(ABC):
         self.active_update_id: str | None = None
         self._lock = threading.Lock()
 
+    @property
+    def label(self) -> str:
+        """Name used in reports (adapters with a transport add its name)."""
+        return self.name
+
     # ------------------------------------------------------------------ public verb
     def install(self, manifest: WeightUpdateManifest, tensors: TensorsLike, *, force: bool = False) -> InstallReport:
         """Validate ``tensors`` against ``manifest`` and the engine, install them, and report.
@@ -133,7 +138,7 @@ class WeightInstallAdapter(ABC):
             update_id=manifest.update_id,
             weight_version=manifest.weight_version,
             previous_version=previous,
-            adapter=self.name,
+            adapter=self.label,
             num_tensors=len(send),
             num_bytes=sum(t.nbytes for _, t in send),
             skipped=tuple(f"{n}: {why}" for n, why in skipped),

@@ -12,16 +12,19 @@ from typing import Any
 
 import torch
 
-from hotweights.core.errors import EngineNotSupportedError
+from hotweights.core.errors import EngineNotSupportedError, HotWeightsTimeoutError
 
 __all__ = [
+    "WORKER_EXTENSION",
     "engine_dtype",
     "engine_mode",
     "engine_model_dir",
     "reload_weights",
     "reset_prefix_cache",
+    "rpc",
     "set_engine_weight_version",
     "tie_word_embeddings",
+    "worker_extension",
 ]
 
 #: Tested vLLM release line.
@@ -95,3 +98,25 @@ def set_engine_weight_version(llm: Any, version: str) -> str | None:
         return None
     engine.set_weight_version(version)
     return str(engine.get_weight_version())
+
+
+WORKER_EXTENSION = "hotweights.engine.worker_extension.HotWeightsWorkerExtension"
+"""``worker_extension_cls`` to start a multiprocess engine with, so hotweights can install into it."""
+
+
+def worker_extension(llm: Any) -> str:
+    """The ``worker_extension_cls`` the engine was started with ("" when none)."""
+    parallel = getattr(_llm_engine(llm).vllm_config, "parallel_config", None)
+    return str(getattr(parallel, "worker_extension_cls", "") or "")
+
+
+def rpc(llm: Any, method: str, *args: Any, timeout: float | None = None) -> list[Any]:
+    """``collective_rpc`` by method name (never a callable: that would need pickle in a multiprocess engine);
+    a timeout becomes :class:`HotWeightsTimeoutError` naming the method."""
+    try:
+        return list(llm.collective_rpc(method, timeout=timeout, args=args))
+    except TimeoutError as exc:
+        raise HotWeightsTimeoutError(
+            f"the engine's workers did not answer {method!r} within {timeout} s; check the engine is alive and "
+            "not blocked, or raise rpc_timeout"
+        ) from exc

@@ -1,1 +1,69 @@
-"""hotweights.transports"""
+"""Pickle-free transports for multiprocess engines, behind one small contract (:class:`WeightTransport`).
+
+Built-ins, each a sibling module with a trainer-side ``WeightTransport`` and an engine-side ``open_bucket``:
+
+- ``shm``: buckets written once into private shared-memory files that the workers map without a copy (same host);
+- ``bytes``: raw bucket bytes inside the RPC message (works wherever vLLM's RPC reaches; the fallback);
+- ``collective``: a ``torch.distributed`` broadcast from the trainer to the workers (gloo on CPU, NCCL on GPU).
+
+Modules are imported on first use. ``register_transport`` adds one; a name registered twice or unknown raises.
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+from typing import Any
+
+from hotweights.core.errors import HotWeightsError
+from hotweights.transports.base import Descriptor, Stage, WeightTransport
+
+__all__ = [
+    "Descriptor",
+    "Stage",
+    "WeightTransport",
+    "available_transports",
+    "engine_side",
+    "make_transport",
+    "register_transport",
+]
+
+_REGISTRY: dict[str, str] = {}
+
+
+def register_transport(name: str, module: str) -> None:
+    """Register a transport module (``module`` defines ``Transport`` and ``open_bucket``) under ``name``."""
+    if name in _REGISTRY:
+        raise ValueError(f"transport {name!r} is already registered (by {_REGISTRY[name]})")
+    _REGISTRY[name] = module
+
+
+def available_transports() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def _module(name: str) -> ModuleType:
+    path = _REGISTRY.get(name)
+    if path is None:
+        raise HotWeightsError(f"unknown transport {name!r}; available: {available_transports()}")
+    return importlib.import_module(path)
+
+
+def make_transport(name: str, **options: Any) -> WeightTransport:
+    """A trainer-side transport by name, e.g. ``make_transport("shm")``."""
+    transport = _module(name).Transport(**options)
+    assert isinstance(transport, WeightTransport)
+    return transport
+
+
+def engine_side(descriptor: Descriptor) -> Any:
+    """The engine-side ``open_bucket`` function for a descriptor."""
+    name = descriptor.get("transport") if isinstance(descriptor, dict) else None
+    if not isinstance(name, str):
+        raise HotWeightsError(f"descriptor has no 'transport' name: keys {sorted(descriptor)}")
+    return _module(name).open_bucket
+
+
+register_transport("shm", "hotweights.transports.shm")
+register_transport("bytes", "hotweights.transports.bytes")
+register_transport("collective", "hotweights.transports.collective")

@@ -1,0 +1,47 @@
+"""The transport contract: move one bucket's bytes to the engine's workers, without pickle.
+
+Trainer side, a transport implements one method, :meth:`WeightTransport.send`. It packs a bucket, hands the
+engine a JSON-able *descriptor* through ``stage`` (an RPC that returns once every worker has staged the bucket),
+and cleans up. Engine side, the same module provides ``open_bucket(descriptor, worker) -> (buffer, keepalive)``,
+found through :func:`hotweights.transports.engine_side` by the descriptor's ``"transport"`` key.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping
+from typing import Any, ClassVar
+
+import torch
+
+from hotweights.core.buckets import Bucket
+
+__all__ = ["Descriptor", "Stage", "WeightTransport"]
+
+#: What the engine needs to find a bucket's bytes: plain JSON/msgpack types only (str, int, bytes, lists, dicts).
+Descriptor = dict[str, Any]
+#: Delivers a descriptor to every worker and returns when they have staged the bucket.
+Stage = Callable[[Descriptor], None]
+
+
+class WeightTransport(ABC):
+    """Moves buckets from the trainer to the engine. Use as a context manager or call :meth:`close`."""
+
+    #: Registry name; also the ``"transport"`` key of its descriptors.
+    name: ClassVar[str]
+
+    @abstractmethod
+    def send(self, bucket: Bucket, tensors: Mapping[str, torch.Tensor], stage: Stage) -> None:
+        """Pack ``bucket``'s tensors, call ``stage(descriptor)`` once, release what only this send needed.
+
+        Must leave nothing behind if ``stage`` raises.
+        """
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release what the transport holds across sends (no-op by default)."""
+
+    def __enter__(self) -> WeightTransport:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
