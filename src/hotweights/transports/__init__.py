@@ -39,6 +39,7 @@ def register_transport(name: str, module: str) -> None:
 
 
 def available_transports() -> list[str]:
+    """Names of the registered transports."""
     return sorted(_REGISTRY)
 
 
