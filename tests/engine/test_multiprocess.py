@@ -19,7 +19,7 @@ from hotweights import (
     WeightUpdateManifest,
 )
 from hotweights.core.buckets import Bucket, plan_buckets
-from hotweights.transports import Stage, make_transport
+from hotweights.transports import EngineLink, Stage, make_transport
 from hotweights.transports.shm import SHM_DIR
 
 from .conftest import TinyCheckpoint, Variant, greedy_vllm, start_engine, stop_engine
@@ -27,7 +27,7 @@ from .conftest import TinyCheckpoint, Variant, greedy_vllm, start_engine, stop_e
 pytestmark = pytest.mark.engine
 
 VARIANT = Variant("qwen2", torch.float32, tie=False)
-TRANSPORTS = ["shm", "bytes"]
+TRANSPORTS = ["shm", "bytes", "collective"]
 # q (64 KiB), k and v (32 KiB each) of one layer land in three different buckets.
 SMALL_BUCKET = 40_000
 
@@ -95,6 +95,12 @@ class CountingTransport(WeightTransport):
         self.sends = 0
         self.fail_after = fail_after
         self.corrupt = corrupt
+
+    def connect(self, engine: EngineLink) -> None:
+        self.inner.connect(engine)
+
+    def close(self) -> None:
+        self.inner.close()
 
     def send(self, bucket: Bucket, tensors: Mapping[str, torch.Tensor], stage: Stage) -> None:
         if self.fail_after is not None and self.sends >= self.fail_after:

@@ -69,13 +69,21 @@ class VLLMMultiprocessAdapter(WeightInstallAdapter):
         self.transport = make_transport(transport) if isinstance(transport, str) else transport
         self.bucket_bytes = bucket_bytes
         self.rpc_timeout = rpc_timeout
+        self.transport.connect(self)
 
     @property
     def label(self) -> str:
         return f"{self.name}-{self.transport.name}"
 
-    def _rpc(self, method: str, *args: Any) -> list[Any]:
+    # EngineLink, for transports that set up state with the workers
+    @property
+    def num_workers(self) -> int:
+        return compat.num_workers(self.llm)
+
+    def call(self, method: str, *args: Any) -> list[Any]:
         return compat.rpc(self.llm, method, *args, timeout=self.rpc_timeout)
+
+    _rpc = call
 
     def _install(self, manifest: WeightUpdateManifest, items: Items, timer: PhaseTimer) -> None:
         tensors = dict(items)

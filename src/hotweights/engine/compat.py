@@ -19,6 +19,7 @@ __all__ = [
     "engine_dtype",
     "engine_mode",
     "engine_model_dir",
+    "num_workers",
     "reload_weights",
     "reset_prefix_cache",
     "rpc",
@@ -108,6 +109,12 @@ def worker_extension(llm: Any) -> str:
     """The ``worker_extension_cls`` the engine was started with ("" when none)."""
     parallel = getattr(_llm_engine(llm).vllm_config, "parallel_config", None)
     return str(getattr(parallel, "worker_extension_cls", "") or "")
+
+
+def num_workers(llm: Any) -> int:
+    """Worker processes of the engine (tensor x pipeline parallel size)."""
+    parallel = _llm_engine(llm).vllm_config.parallel_config
+    return int(parallel.world_size)
 
 
 def rpc(llm: Any, method: str, *args: Any, timeout: float | None = None) -> list[Any]:

@@ -94,6 +94,21 @@ class HotWeightsWorkerExtension:
         self._hotweights_session = None
         return True
 
+    def hotweights_init_communicator(
+        self, host: str, port: int, world_size: int, backend: str = "gloo", timeout: float = 60.0
+    ) -> int:
+        """Join the trainer's collective group (closing a stale one first); returns this worker's group rank."""
+        from hotweights.transports.collective import init_worker_group
+
+        init_worker_group(self, host, port, world_size, backend, timeout)
+        return 1 + int(getattr(self, "rank", 0))
+
+    def hotweights_close_communicator(self) -> bool:
+        """Drop the collective group, if any."""
+        from hotweights.transports.collective import close_group
+
+        return close_group(self)
+
     def hotweights_ping(self) -> str:
         """Cheap round trip; tells the trainer the extension is loaded."""
         return "hotweights"

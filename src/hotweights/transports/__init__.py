@@ -16,10 +16,11 @@ from types import ModuleType
 from typing import Any
 
 from hotweights.core.errors import HotWeightsError
-from hotweights.transports.base import Descriptor, Stage, WeightTransport
+from hotweights.transports.base import Descriptor, EngineLink, Stage, WeightTransport
 
 __all__ = [
     "Descriptor",
+    "EngineLink",
     "Stage",
     "WeightTransport",
     "available_transports",

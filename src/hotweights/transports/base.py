@@ -10,18 +10,30 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import torch
 
 from hotweights.core.buckets import Bucket
 
-__all__ = ["Descriptor", "Stage", "WeightTransport"]
+__all__ = ["Descriptor", "EngineLink", "Stage", "WeightTransport"]
 
 #: What the engine needs to find a bucket's bytes: plain JSON/msgpack types only (str, int, bytes, lists, dicts).
 Descriptor = dict[str, Any]
 #: Delivers a descriptor to every worker and returns when they have staged the bucket.
 Stage = Callable[[Descriptor], None]
+
+
+@runtime_checkable
+class EngineLink(Protocol):
+    """What a transport may ask of the engine besides staging: a named RPC to every worker, and their count."""
+
+    @property
+    def num_workers(self) -> int: ...
+
+    def call(self, method: str, *args: Any) -> list[Any]:
+        """Run the worker-extension method ``method`` on every worker; one result per worker."""
+        ...
 
 
 class WeightTransport(ABC):
@@ -36,6 +48,9 @@ class WeightTransport(ABC):
 
         Must leave nothing behind if ``stage`` raises.
         """
+
+    def connect(self, engine: EngineLink) -> None:  # noqa: B027 - optional hook
+        """Set up what needs the engine's side too (e.g. a process group); called once by the adapter."""
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release what the transport holds across sends (no-op by default)."""
