@@ -50,7 +50,7 @@ def test_broadcast_round_trip_and_reconnect() -> None:
             transport.send(
                 bucket,
                 sd,
-                lambda d, b=bucket: received.update(unpack(coll.open_bucket(d, engine.worker)[0], b, manifest)),
+                lambda d, b=bucket, r=received: r.update(unpack(coll.open_bucket(d, engine.worker)[0], b, manifest)),
             )
         assert received.keys() == sd.keys()
         assert all(torch.equal(received[k], sd[k]) for k in sd)
