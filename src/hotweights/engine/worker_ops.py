@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["refresh_tied_layers", "reload_checkpoint_tensors", "worker_model"]
+__all__ = ["refresh_tied_layers", "reload_checkpoint_tensors", "reload_model", "worker_model"]
 
 
 def worker_model(worker: Any) -> torch.nn.Module:
@@ -29,6 +29,14 @@ def reload_checkpoint_tensors(worker: Any, items: Iterable[tuple[str, torch.Tens
     worker = getattr(worker, "worker", worker)
     worker.reload_weights(weights_iterator=items, is_checkpoint_format=True)
     return refresh_tied_layers(worker_model(worker))
+
+
+def reload_model(vllm_config: Any, model: torch.nn.Module, items: Iterable[tuple[str, torch.Tensor]]) -> int:
+    """The same install for callers that hold the model, not the worker (vLLM's weight-transfer backends)."""
+    from vllm.model_executor.model_loader.reload.inplace import reload_weights
+
+    reload_weights(vllm_config, model, weights_iterator=items, weights_path=None, is_checkpoint_format=True)
+    return refresh_tied_layers(model)
 
 
 @torch.no_grad()

@@ -1,0 +1,86 @@
+"""Staging of an install on the engine side: buckets are received and checked aside, the model is untouched.
+
+Shared by the worker extension and the vLLM weight-transfer backend: ``begin`` (manifest) -> ``stage`` per
+bucket -> ``take`` (every tensor, in manifest order, only if all arrived) or ``abort``.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from hotweights.core.buckets import Bucket, unpack
+from hotweights.core.manifest import WeightUpdateManifest
+from hotweights.transports import engine_side
+
+__all__ = ["InstallSession", "StagingArea"]
+
+log = logging.getLogger("hotweights")
+
+
+@dataclass
+class InstallSession:
+    """What has been staged for one update."""
+
+    manifest: WeightUpdateManifest
+    staged: dict[str, torch.Tensor] = field(default_factory=dict)
+    keepalive: list[Any] = field(default_factory=list)
+    nbytes: int = 0
+
+
+class StagingArea:
+    """At most one open session; ``owner`` is handed to transports that keep state on it (e.g. a group)."""
+
+    def __init__(self, owner: Any) -> None:
+        self.owner = owner
+        self.session: InstallSession | None = None
+
+    def begin(self, manifest_json: str) -> str:
+        """Open a session; one left open (e.g. by a crashed trainer) is dropped first."""
+        manifest = WeightUpdateManifest.from_json(manifest_json)
+        if self.session is not None:
+            log.warning("hotweights: dropping unfinished update %s", self.session.manifest.update_id)
+        self.session = InstallSession(manifest)
+        return manifest.update_id
+
+    def current(self, update_id: str) -> InstallSession:
+        session = self.session
+        if session is None or session.manifest.update_id != update_id:
+            active = session.manifest.update_id if session else None
+            raise RuntimeError(f"no open install session {update_id!r} on this worker (open: {active!r})")
+        return session
+
+    def stage(self, update_id: str, bucket_json: str, descriptor: dict[str, Any]) -> int:
+        """Receive one bucket through its transport and keep its tensors aside; returns the bytes staged."""
+        session = self.current(update_id)
+        bucket = Bucket.model_validate_json(bucket_json)
+        repeated = [e.name for e in bucket.entries if e.name in session.staged]
+        if repeated:
+            raise ValueError(f"bucket {bucket.index} repeats tensors already staged: {repeated[:5]}")
+        buffer, keepalive = engine_side(descriptor)(descriptor, self.owner)
+        if buffer.numel() < bucket.nbytes:
+            raise ValueError(f"bucket {bucket.index}: received {buffer.numel()} bytes, expected {bucket.nbytes}")
+        session.staged.update(unpack(buffer, bucket, session.manifest))
+        session.keepalive.append(keepalive)
+        session.nbytes += bucket.nbytes
+        return bucket.nbytes
+
+    def take(self, update_id: str) -> tuple[list[tuple[str, torch.Tensor]], InstallSession]:
+        """Every staged tensor in manifest order, closing the session; raises if any never arrived."""
+        session = self.current(update_id)
+        missing = [n for n in session.manifest.tensors if n not in session.staged]
+        if missing:
+            self.session = None
+            raise ValueError(f"update {update_id} is incomplete: {len(missing)} tensors never arrived: {missing[:5]}")
+        self.session = None
+        return [(n, session.staged[n]) for n in session.manifest.tensors], session
+
+    def abort(self, update_id: str | None = None) -> bool:
+        """Drop the open session (only ``update_id``'s when given)."""
+        if self.session is None or (update_id is not None and self.session.manifest.update_id != update_id):
+            return False
+        self.session = None
+        return True
