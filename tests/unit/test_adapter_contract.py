@@ -269,10 +269,30 @@ def test_engine_exception_becomes_install_error() -> None:
     msg = str(err)
     assert "update u-2 (v2)" in msg
     assert "RuntimeError: CUDA exploded" in msg
-    assert "The active version stays 1" in msg
+    assert "v1 keeps serving" in msg
     assert adapter.active_weight_version == 1
     assert adapter.reset_calls == 1  # only the first install's
     assert adapter.recorded_versions == ["1"]
+
+
+def test_failure_after_writing_recovers_and_says_so() -> None:
+    class WritingAdapter(RecordingAdapter):
+        recovered = 0
+
+        def _install(self, manifest, items, timer):  # type: ignore[no-untyped-def]
+            self._may_have_written = True
+            raise RuntimeError("reload died in layer 3")
+
+        def _recover(self) -> str:
+            self.recovered += 1
+            return "KV cache zeroed"
+
+    adapter = WritingAdapter()
+    with pytest.raises(InstallError, match="Some layers may hold new weights; KV cache zeroed") as info:
+        adapter.install(_manifest(1), _tensors())
+    assert isinstance(info.value.__cause__, RuntimeError)
+    assert adapter.recovered == 1
+    assert adapter.active_weight_version is None
 
 
 def test_hotweights_error_inside_install_is_not_wrapped() -> None:

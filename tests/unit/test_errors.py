@@ -131,7 +131,7 @@ def test_exactly_fifty_is_not_truncated() -> None:
 
 
 def test_kinds_cover_the_documented_set() -> None:
-    assert set(ALL_KINDS) == {"missing", "unexpected", "shape", "dtype", "nbytes", "not_tensor", "manifest"}
+    assert set(ALL_KINDS) == {"missing", "unexpected", "shape", "dtype", "nbytes", "not_tensor", "manifest", "digest"}
 
 
 @pytest.mark.parametrize("kind", ALL_KINDS)

@@ -262,7 +262,12 @@ class TestJson:
         data = json.loads(text)
         assert data["weight_version"] == 7
         assert data["update_id"] == m.update_id
-        assert data["tensors"]["embed.weight"] == {"shape": [10, 4], "dtype": "torch.bfloat16", "nbytes": 80}
+        assert data["tensors"]["embed.weight"] == {
+            "shape": [10, 4],
+            "dtype": "torch.bfloat16",
+            "nbytes": 80,
+            "digest": None,
+        }
         assert data["metadata"]["none"] is None
 
     def test_round_trip_through_parse(self) -> None:

@@ -52,6 +52,8 @@ class WeightInstallAdapter(ABC):
     formats: ClassVar[frozenset[str]] = SUPPORTED_FORMATS
     #: Whether tensor-parallel shards are accepted.
     sharded: ClassVar[bool] = False
+    #: Whether manifest digests are checked here, before sending (True) or by the engine after transit (False).
+    verifies_digests_locally: ClassVar[bool] = True
 
     def __init__(
         self,
@@ -69,6 +71,7 @@ class WeightInstallAdapter(ABC):
         """Version now served; None until the first install (the weights the engine started with)."""
         self.active_update_id: str | None = None
         self._lock = threading.Lock()
+        self._may_have_written = False
 
     @property
     def label(self) -> str:
@@ -107,15 +110,23 @@ class WeightInstallAdapter(ABC):
         timer = PhaseTimer()
         with timer("validate"):
             send, skipped = self._validate(manifest, items, force)
+        self._may_have_written = False
         try:
-            self._install(manifest, send, timer)
-        except HotWeightsError:
-            raise
+            summary = self._install(manifest, send, timer) or {}
         except Exception as exc:
+            if not self._may_have_written:
+                if isinstance(exc, HotWeightsError):
+                    raise
+                raise InstallError(
+                    f"update {manifest.update_id} (v{manifest.weight_version}) failed before the model was touched: "
+                    f"{type(exc).__name__}: {exc}. v{self.active_weight_version} keeps serving; fix the cause and "
+                    "install again."
+                ) from exc
+            cleared = self._recover()
             raise InstallError(
-                f"the engine failed while installing update {manifest.update_id} (v{manifest.weight_version}): "
-                f"{type(exc).__name__}: {exc}. The active version stays {self.active_weight_version}; "
-                "install a full update again before serving."
+                f"the engine failed while writing update {manifest.update_id} (v{manifest.weight_version}): "
+                f"{type(exc).__name__}: {exc}. Some layers may hold new weights; {cleared}. Install a full update "
+                "again before serving."
             ) from exc
         previous = self.active_weight_version
         # The new weights are in: from here on the engine serves them, whatever happens next.
@@ -144,6 +155,7 @@ class WeightInstallAdapter(ABC):
             skipped=tuple(f"{n}: {why}" for n, why in skipped),
             prefix_cache_reset=reset,
             engine_weight_version=engine_version,
+            digests_verified=int(summary.get("digests_verified", 0)),
             phases=timer.phases,
         )
 
@@ -157,6 +169,8 @@ class WeightInstallAdapter(ABC):
         problems = manifest.mismatches(items)
         if self.expected is not None:
             problems += self.expected.mismatches(manifest)
+        if not problems and self.verifies_digests_locally and manifest.has_digests:
+            problems += manifest.digest_mismatches(items)
         if problems:
             raise WeightManifestValidationError(problems)
         ignored = self.expected.ignored if self.expected is not None else {}
@@ -166,8 +180,19 @@ class WeightInstallAdapter(ABC):
 
     # ------------------------------------------------------------------ hooks
     @abstractmethod
-    def _install(self, manifest: WeightUpdateManifest, items: Items, timer: PhaseTimer) -> None:
-        """Write validated tensors into the engine; time sub-phases with ``timer``."""
+    def _install(self, manifest: WeightUpdateManifest, items: Items, timer: PhaseTimer) -> dict[str, int] | None:
+        """Write validated tensors into the engine; time sub-phases with ``timer``.
+
+        Set ``self._may_have_written = True`` right before the first step that can change live weights, so a
+        failure after it triggers :meth:`_recover`. May return counters for the report (``digests_verified``).
+        """
+
+    def _recover(self) -> str:
+        """After a failure that may have touched live weights: make stale or poisoned KV state unservable.
+
+        Returns what was done, for the error message.
+        """
+        return "the KV cache was left as is"
 
     def _reset_prefix_cache(self) -> bool:
         """Drop the engine's cached prefixes; True when the engine confirmed."""

@@ -62,9 +62,16 @@ class VLLMInProcessWeightReloadAdapter(WeightInstallAdapter):
         self.llm = llm
         self.rpc_timeout = rpc_timeout
 
-    def _install(self, manifest: WeightUpdateManifest, items: Items, timer: PhaseTimer) -> None:
+    def _install(self, manifest: WeightUpdateManifest, items: Items, timer: PhaseTimer) -> dict[str, int]:
         with timer("install"):
+            self._may_have_written = True
             compat.reload_weights(self.llm, items, timeout=self.rpc_timeout)
+        return {"digests_verified": sum(manifest.tensors[n].digest is not None for n, _ in items)}
+
+    def _recover(self) -> str:
+        zeroed = compat.clear_kv_cache_inprocess(self.llm)
+        compat.reset_prefix_cache(self.llm)
+        return f"the prefix cache was reset and {zeroed} KV-cache tensors zeroed"
 
     def _reset_prefix_cache(self) -> bool:
         return compat.reset_prefix_cache(self.llm)

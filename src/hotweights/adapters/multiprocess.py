@@ -38,6 +38,7 @@ class VLLMMultiprocessAdapter(WeightInstallAdapter):
     """
 
     name = "multiprocess"
+    verifies_digests_locally = False  # the workers verify after transit
 
     def __init__(
         self,
@@ -85,7 +86,7 @@ class VLLMMultiprocessAdapter(WeightInstallAdapter):
 
     _rpc = call
 
-    def _install(self, manifest: WeightUpdateManifest, items: Items, timer: PhaseTimer) -> None:
+    def _install(self, manifest: WeightUpdateManifest, items: Items, timer: PhaseTimer) -> dict[str, int]:
         tensors = dict(items)
         sent = manifest.model_copy(update={"tensors": {n: manifest.tensors[n] for n in tensors}})
         buckets = plan_buckets(sent, self.bucket_bytes)
@@ -101,11 +102,18 @@ class VLLMMultiprocessAdapter(WeightInstallAdapter):
 
                     self.transport.send(bucket, tensors, stage)
             with timer("install"):
-                self._rpc("hotweights_finish", sent.update_id)
+                self._may_have_written = True
+                summaries = self._rpc("hotweights_finish", sent.update_id)
         except BaseException:
             with contextlib.suppress(Exception):
                 compat.rpc(self.llm, "hotweights_abort", sent.update_id, timeout=30.0)
             raise
+        return {"digests_verified": min(int(s.get("digests_verified", 0)) for s in summaries)}
+
+    def _recover(self) -> str:
+        zeroed = sum(compat.rpc(self.llm, "hotweights_clear_kv_cache", timeout=self.rpc_timeout))
+        compat.reset_prefix_cache(self.llm)
+        return f"the prefix cache was reset and {zeroed} KV-cache tensors zeroed"
 
     def _reset_prefix_cache(self) -> bool:
         return compat.reset_prefix_cache(self.llm)

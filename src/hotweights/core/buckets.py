@@ -14,7 +14,16 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from hotweights.core.manifest import WeightUpdateManifest
 
-__all__ = ["ALIGNMENT", "Bucket", "BucketEntry", "default_bucket_bytes", "pack_into", "plan_buckets", "unpack"]
+__all__ = [
+    "ALIGNMENT",
+    "Bucket",
+    "BucketEntry",
+    "bucket_problems",
+    "default_bucket_bytes",
+    "pack_into",
+    "plan_buckets",
+    "unpack",
+]
 
 #: Byte alignment of every tensor inside a bucket (any dtype can be viewed at such an offset).
 ALIGNMENT = 64
@@ -94,23 +103,44 @@ def pack_into(buffer: torch.Tensor, bucket: Bucket, tensors: dict[str, torch.Ten
         dst.copy_(src)
 
 
-def unpack(buffer: torch.Tensor, bucket: Bucket, manifest: WeightUpdateManifest) -> Iterator[tuple[str, torch.Tensor]]:
-    """Views of each tensor of ``bucket`` inside ``buffer`` (no copy), typed and shaped by the manifest.
+def bucket_problems(bucket: Bucket, manifest: WeightUpdateManifest, size: int) -> list[str]:
+    """Every way ``bucket`` (received into ``size`` bytes) disagrees with the manifest; empty when it fits.
 
-    Raises:
-        ValueError: an entry is unknown to the manifest, its size disagrees with the manifest, or it lies outside
-            the buffer; checked for every entry before the first view is made.
+    Checked before a receiver allocates or reads anything: a bucket can only claim bytes the manifest accounts for.
     """
-    size = buffer.numel()
     problems = []
+    if size != bucket.nbytes:
+        problems.append(f"payload has {size} bytes, the bucket declares {bucket.nbytes}")
+    end = 0
+    seen: set[str] = set()
     for e in bucket.entries:
         spec = manifest.tensors.get(e.name)
+        if e.offset < end and e.nbytes:
+            problems.append(f"{e.name!r} at byte {e.offset} overlaps the previous tensor (ends at {end})")
+        end = max(end, e.offset + e.nbytes)
+        if e.name in seen:
+            problems.append(f"{e.name!r} appears twice in the bucket")
+        seen.add(e.name)
         if spec is None:
             problems.append(f"{e.name!r} is not in the manifest")
         elif e.nbytes != spec.expected_nbytes:
             problems.append(f"{e.name!r} has {e.nbytes} bytes, the manifest says {spec.expected_nbytes}")
-        elif e.offset % ALIGNMENT or e.offset + e.nbytes > size:
-            problems.append(f"{e.name!r} at [{e.offset}, {e.offset + e.nbytes}) is outside the {size}-byte buffer")
+        elif e.offset % ALIGNMENT or e.offset + e.nbytes > bucket.nbytes:
+            problems.append(
+                f"{e.name!r} at [{e.offset}, {e.offset + e.nbytes}) is outside the {bucket.nbytes}-byte bucket"
+            )
+    if end != bucket.nbytes:
+        problems.append(f"bucket declares {bucket.nbytes} bytes but its tensors end at byte {end}")
+    return problems
+
+
+def unpack(buffer: torch.Tensor, bucket: Bucket, manifest: WeightUpdateManifest) -> Iterator[tuple[str, torch.Tensor]]:
+    """Views of each tensor of ``bucket`` inside ``buffer`` (no copy), typed and shaped by the manifest.
+
+    Raises:
+        ValueError: :func:`bucket_problems` found any (all named), before the first view is made.
+    """
+    problems = bucket_problems(bucket, manifest, buffer.numel())
     if problems:
         raise ValueError(f"bucket {bucket.index} does not match the manifest: " + "; ".join(problems))
     for e in bucket.entries:

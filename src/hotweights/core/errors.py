@@ -31,7 +31,7 @@ __all__ = [
     "WeightManifestValidationError",
 ]
 
-MismatchKind = Literal["missing", "unexpected", "shape", "dtype", "nbytes", "not_tensor", "manifest"]
+MismatchKind = Literal["missing", "unexpected", "shape", "dtype", "nbytes", "not_tensor", "manifest", "digest"]
 
 
 class HotWeightsError(Exception):
@@ -65,6 +65,7 @@ _HINTS: dict[str, str] = {
     "nbytes": "make the tensor contiguous and check its dtype and shape",
     "not_tensor": "pass torch.Tensor values",
     "manifest": "fix the manifest fields named above",
+    "digest": "the bytes differ from the ones the manifest was built from: rebuild the manifest from these tensors",
 }
 
 

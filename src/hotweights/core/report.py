@@ -35,6 +35,8 @@ class InstallReport(BaseModel):
     """Whether the engine's prefix cache was reset after the install."""
     engine_weight_version: str | None = None
     """The version recorded in the engine itself, where vLLM keeps one."""
+    digests_verified: int = 0
+    """Tensors whose digest was checked against the manifest (after transit, for multiprocess engines)."""
     phases: dict[str, float] = Field(default_factory=dict)
 
     @property

@@ -16,6 +16,7 @@ from hotweights.core.errors import EngineNotSupportedError, HotWeightsTimeoutErr
 
 __all__ = [
     "WORKER_EXTENSION",
+    "clear_kv_cache_inprocess",
     "engine_dtype",
     "engine_mode",
     "engine_model_dir",
@@ -85,6 +86,13 @@ def reload_weights(llm: Any, items: Sequence[tuple[str, torch.Tensor]], timeout:
     from hotweights.engine.worker_ops import reload_checkpoint_tensors
 
     llm.collective_rpc(reload_checkpoint_tensors, timeout=timeout, args=(list(items),))
+
+
+def clear_kv_cache_inprocess(llm: Any) -> int:
+    """Zero the KV cache of an in-process engine (see :func:`hotweights.engine.worker_ops.clear_kv_cache`)."""
+    from hotweights.engine.worker_ops import clear_kv_cache
+
+    return sum(llm.collective_rpc(clear_kv_cache))
 
 
 def reset_prefix_cache(llm: Any) -> bool:

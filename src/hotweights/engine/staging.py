@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from hotweights.core.buckets import Bucket, unpack
+from hotweights.core.buckets import Bucket, bucket_problems, unpack
 from hotweights.core.manifest import WeightUpdateManifest
 from hotweights.transports import engine_side
 
@@ -29,6 +29,7 @@ class InstallSession:
     staged: dict[str, torch.Tensor] = field(default_factory=dict)
     keepalive: list[Any] = field(default_factory=list)
     nbytes: int = 0
+    digests_verified: int = 0
 
 
 class StagingArea:
@@ -57,13 +58,20 @@ class StagingArea:
         """Receive one bucket through its transport and keep its tensors aside; returns the bytes staged."""
         session = self.current(update_id)
         bucket = Bucket.model_validate_json(bucket_json)
-        repeated = [e.name for e in bucket.entries if e.name in session.staged]
-        if repeated:
-            raise ValueError(f"bucket {bucket.index} repeats tensors already staged: {repeated[:5]}")
+        # Bound everything by the manifest before the transport allocates or reads a byte.
+        problems = bucket_problems(bucket, session.manifest, int(descriptor.get("nbytes", -1)))
+        problems += [f"{e.name!r} was already staged" for e in bucket.entries if e.name in session.staged]
+        if problems:
+            raise ValueError(f"bucket {bucket.index} refused before receiving: " + "; ".join(problems))
         buffer, keepalive = engine_side(descriptor)(descriptor, self.owner)
-        if buffer.numel() < bucket.nbytes:
-            raise ValueError(f"bucket {bucket.index}: received {buffer.numel()} bytes, expected {bucket.nbytes}")
-        session.staged.update(unpack(buffer, bucket, session.manifest))
+        tensors = dict(unpack(buffer, bucket, session.manifest))
+        bad = session.manifest.digest_mismatches(tensors)
+        if bad:
+            raise ValueError(
+                f"bucket {bucket.index}: digest mismatch (bytes changed in transit) for {[m.name for m in bad][:5]}"
+            )
+        session.digests_verified += sum(session.manifest.tensors[n].digest is not None for n in tensors)
+        session.staged.update(tensors)
         session.keepalive.append(keepalive)
         session.nbytes += bucket.nbytes
         return bucket.nbytes

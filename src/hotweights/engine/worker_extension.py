@@ -42,11 +42,22 @@ class HotWeightsWorkerExtension:
         """Install every staged tensor in one layerwise reload, if and only if all of them arrived."""
         items, session = self._hotweights.take(update_id)
         refreshed = reload_checkpoint_tensors(self, items)
-        return {"tensors": len(items), "bytes": session.nbytes, "tied_layers_refreshed": refreshed}
+        return {
+            "tensors": len(items),
+            "bytes": session.nbytes,
+            "digests_verified": session.digests_verified,
+            "tied_layers_refreshed": refreshed,
+        }
 
     def hotweights_abort(self, update_id: str | None = None) -> bool:
         """Drop the open session (only ``update_id``'s when given); the model was never touched."""
         return self._hotweights.abort(update_id)
+
+    def hotweights_clear_kv_cache(self) -> int:
+        """Zero the KV cache (after a failure that may have touched live weights); returns tensors zeroed."""
+        from hotweights.engine.worker_ops import clear_kv_cache
+
+        return clear_kv_cache(self)
 
     def hotweights_init_communicator(
         self, host: str, port: int, world_size: int, backend: str = "gloo", timeout: float = 60.0

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["refresh_tied_layers", "reload_checkpoint_tensors", "reload_model", "worker_model"]
+__all__ = ["clear_kv_cache", "refresh_tied_layers", "reload_checkpoint_tensors", "reload_model", "worker_model"]
 
 
 def worker_model(worker: Any) -> torch.nn.Module:
@@ -60,3 +60,21 @@ def refresh_tied_layers(model: torch.nn.Module) -> int:
             method.process_weights_after_loading(module)
             refreshed += 1
     return refreshed
+
+
+@torch.no_grad()
+def clear_kv_cache(worker: Any) -> int:
+    """Zero every KV-cache tensor of a worker.
+
+    A model that was served while half-installed writes NaNs into KV blocks; ``reset_prefix_cache()`` forgets the
+    blocks' hashes but not their contents, and the NaNs then leak into later requests even after a correct install
+    (measured). Returns the number of tensors zeroed.
+    """
+    worker = getattr(worker, "worker", worker)
+    caches = getattr(worker.model_runner, "kv_caches", None) or []
+    n = 0
+    for cache in caches:
+        for t in cache if isinstance(cache, (list, tuple)) else [cache]:
+            t.zero_()
+            n += 1
+    return n

@@ -32,8 +32,9 @@ def open_bucket(descriptor: Descriptor, worker: Any = None) -> tuple[torch.Tenso
     """A writable buffer over the received bytes, size-checked against the bucket."""
     data = descriptor["data"]
     nbytes = int(descriptor["nbytes"])
-    if not isinstance(data, (bytes, bytearray, memoryview)) or len(data) != nbytes:
-        got = len(data) if isinstance(data, (bytes, bytearray, memoryview)) else type(data).__name__
+    size = memoryview(data).nbytes if isinstance(data, (bytes, bytearray, memoryview)) else None
+    if size != nbytes:
+        got = size if size is not None else type(data).__name__
         raise ValueError(f"bytes payload has {got} bytes, the bucket declares {nbytes}")
     buf = bytearray(data)
     return torch.frombuffer(buf, dtype=torch.uint8, count=nbytes) if nbytes else torch.empty(0, dtype=torch.uint8), buf

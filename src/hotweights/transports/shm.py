@@ -81,11 +81,12 @@ def open_bucket(descriptor: Descriptor, worker: Any = None) -> tuple[torch.Tenso
     nbytes = int(descriptor["nbytes"])
     if path.parent != SHM_DIR or not path.name.startswith(_PREFIX):
         raise ValueError(f"refusing to map {path}: not a hotweights segment in {SHM_DIR}")
-    fd = os.open(path, os.O_RDONLY)
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
     try:
         if os.fstat(fd).st_size < nbytes:
             raise ValueError(f"{path} holds {os.fstat(fd).st_size} bytes, the bucket needs {nbytes}")
         mm = mmap.mmap(fd, max(nbytes, 1), access=mmap.ACCESS_COPY)
     finally:
         os.close(fd)
-    return torch.frombuffer(mm, dtype=torch.uint8, count=nbytes), mm
+    buffer = torch.frombuffer(mm, dtype=torch.uint8, count=nbytes) if nbytes else torch.empty(0, dtype=torch.uint8)
+    return buffer, mm

@@ -1,0 +1,512 @@
+"""Transports (registry, shm, bytes) and the worker extension's install sessions, without vLLM or an engine."""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import hotweights.transports as transports
+from hotweights.core.buckets import Bucket, BucketEntry, plan_buckets, unpack
+from hotweights.core.errors import HotWeightsError
+from hotweights.core.manifest import WeightUpdateManifest
+from hotweights.engine import worker_extension
+from hotweights.engine.worker_extension import HotWeightsWorkerExtension
+from hotweights.transports import (
+    WeightTransport,
+    available_transports,
+    engine_side,
+    make_transport,
+    register_transport,
+    shm,
+)
+from hotweights.transports import bytes as bytes_transport
+
+DEAD_PID = 999_999_999  # above any kernel's pid_max (at most 2**22), so never a live process
+
+
+# ---------------------------------------------------------------------------------------------- helpers
+def _tensors() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return {
+        "embed.weight": torch.randn(16, 8, generator=g).to(torch.bfloat16),  # 256 bytes
+        "layer.0.w": torch.randn(8, 8, generator=g),  # 256 bytes
+        "layer.0.b": torch.randn(8, generator=g).to(torch.float16),  # 16 bytes
+        "step": torch.tensor(41, dtype=torch.int64),  # 0-d, 8 bytes
+        "empty": torch.zeros(0, 3),  # zero elements
+        "ids": torch.randint(0, 256, (37,), generator=g, dtype=torch.uint8),  # 37 bytes
+        "head.weight": torch.randn(4, 8, generator=g),  # 128 bytes
+    }
+
+
+def _manifest(tensors: dict[str, torch.Tensor], update_id: str | None = None) -> WeightUpdateManifest:
+    return WeightUpdateManifest.from_state_dict(tensors, weight_version=1, update_id=update_id)
+
+
+def _assert_same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert list(got) == list(want)
+    for name, t in want.items():
+        assert got[name].dtype == t.dtype, name
+        assert got[name].shape == t.shape, name
+        assert torch.equal(got[name], t), name
+
+
+def _own_segments() -> list[Path]:
+    return sorted(shm.SHM_DIR.glob(f"hotweights-{os.getpid()}-*"))
+
+
+# ---------------------------------------------------------------------------------------------- registry
+class TestRegistry:
+    def test_builtins_are_registered(self) -> None:
+        names = available_transports()
+        assert {"shm", "bytes", "collective"} <= set(names)
+        assert names == sorted(names)
+
+    def test_make_transport_by_name(self, tmp_path: Path) -> None:
+        b = make_transport("bytes")
+        assert isinstance(b, bytes_transport.Transport)
+        assert isinstance(b, WeightTransport)
+        assert b.name == "bytes"
+        s = make_transport("shm", directory=tmp_path)
+        assert isinstance(s, shm.Transport)
+        assert s.name == "shm"
+        assert s.directory == tmp_path
+        assert make_transport("shm").directory == shm.SHM_DIR  # type: ignore[attr-defined]
+
+    def test_unknown_name_lists_the_available_ones(self) -> None:
+        with pytest.raises(HotWeightsError, match="unknown transport 'nope'") as info:
+            make_transport("nope")
+        for name in ("shm", "bytes", "collective"):
+            assert repr(name) in str(info.value)
+
+    def test_registering_an_existing_name_is_refused(self) -> None:
+        with pytest.raises(ValueError, match=r"transport 'shm' is already registered \(by hotweights.transports.shm\)"):
+            register_transport("shm", "hotweights.transports.bytes")
+        assert isinstance(make_transport("shm"), shm.Transport)  # the original registration stands
+
+    def test_registering_a_new_name(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch.setattr(transports, "_REGISTRY", dict(transports._REGISTRY))
+        register_transport("mine", "hotweights.transports.bytes")
+        assert "mine" in available_transports()
+        assert isinstance(make_transport("mine"), bytes_transport.Transport)
+        assert engine_side({"transport": "mine"}) is bytes_transport.open_bucket
+
+    def test_engine_side_by_descriptor(self) -> None:
+        assert engine_side({"transport": "shm", "path": "x", "nbytes": 0}) is shm.open_bucket
+        assert engine_side({"transport": "bytes"}) is bytes_transport.open_bucket
+
+    @pytest.mark.parametrize("descriptor", [{}, {"transport": 3}, {"path": "/dev/shm/x"}])
+    def test_engine_side_without_a_name(self, descriptor: dict[str, Any]) -> None:
+        with pytest.raises(HotWeightsError, match="descriptor has no 'transport' name"):
+            engine_side(descriptor)
+
+    def test_engine_side_unknown_name(self) -> None:
+        with pytest.raises(HotWeightsError, match="unknown transport 'carrier-pigeon'"):
+            engine_side({"transport": "carrier-pigeon"})
+
+
+# ---------------------------------------------------------------------------------------------- shm
+class TestShm:
+    def test_round_trip_and_cleanup(self) -> None:
+        tensors = _tensors()
+        m = _manifest(tensors)
+        plan = plan_buckets(m, bucket_bytes=300)
+        assert len(plan) > 2
+        received: dict[str, torch.Tensor] = {}
+        keep: list[Any] = []
+        paths: list[Path] = []
+
+        def stage(descriptor: dict[str, Any]) -> None:
+            assert descriptor["transport"] == "shm"
+            path = Path(descriptor["path"])
+            paths.append(path)
+            assert path.parent == shm.SHM_DIR
+            assert path.name.startswith(f"hotweights-{os.getpid()}-")
+            st_ = path.stat()
+            assert stat.S_IMODE(st_.st_mode) == 0o600
+            assert st_.st_size == max(bucket.nbytes, 1)
+            assert descriptor["nbytes"] == bucket.nbytes
+            buffer, keepalive = shm.open_bucket(descriptor)
+            assert buffer.dtype == torch.uint8
+            assert buffer.numel() == bucket.nbytes
+            keep.append(keepalive)
+            received.update(unpack(buffer, bucket, m))  # views into the mapping, read after the unlink
+
+        with shm.Transport() as transport:
+            for bucket in plan:
+                transport.send(bucket, tensors, stage)
+                assert not paths[-1].exists()
+        assert len(paths) == len(plan) == len(set(paths))
+        assert _own_segments() == []
+        assert not set(paths) & shm._LIVE
+        _assert_same(received, tensors)  # the mappings outlived the files
+
+    def test_descriptor_is_plain_data(self) -> None:
+        tensors = {"w": torch.ones(4)}
+        bucket = plan_buckets(_manifest(tensors), bucket_bytes=1024)[0]
+        seen: list[dict[str, Any]] = []
+        shm.Transport().send(bucket, tensors, seen.append)
+        (d,) = seen
+        assert set(d) == {"transport", "path", "nbytes"}
+        assert isinstance(d["path"], str)
+        assert d["nbytes"] == 16
+
+    def test_stage_error_propagates_and_removes_the_file(self) -> None:
+        tensors = _tensors()
+        bucket = plan_buckets(_manifest(tensors), bucket_bytes=1 << 20)[0]
+        boom = RuntimeError("worker died")
+        paths: list[Path] = []
+
+        def stage(descriptor: dict[str, Any]) -> None:
+            paths.append(Path(descriptor["path"]))
+            assert paths[-1].exists()
+            raise boom
+
+        with pytest.raises(RuntimeError) as info:
+            shm.Transport().send(bucket, tensors, stage)
+        assert info.value is boom
+        assert len(paths) == 1
+        assert not paths[0].exists()
+        assert paths[0] not in shm._LIVE
+        assert _own_segments() == []
+
+    def test_open_bucket_refuses_a_directory_other_than_shm_dir(self, tmp_path: Path) -> None:
+        tensors = {"w": torch.arange(6, dtype=torch.float32)}
+        bucket = plan_buckets(_manifest(tensors), bucket_bytes=1024)[0]
+        created: list[Path] = []
+
+        def stage(descriptor: dict[str, Any]) -> None:
+            path = Path(descriptor["path"])
+            created.append(path)
+            assert path.parent == tmp_path
+            assert path.read_bytes() == tensors["w"].numpy().tobytes()
+            shm.open_bucket(descriptor)
+
+        with pytest.raises(ValueError, match=r"refusing to map .*: not a hotweights segment in"):
+            shm.Transport(directory=tmp_path).send(bucket, tensors, stage)
+        assert len(created) == 1
+        assert list(tmp_path.iterdir()) == []
+
+    @pytest.mark.parametrize(
+        "name", ["other-file", "xhotweights-1-a", "sub/hotweights-1-a", "../hotweights-1-a", "../tmp/hotweights-1-a"]
+    )
+    def test_open_bucket_refuses_foreign_paths_before_opening(self, name: str) -> None:
+        path = str(shm.SHM_DIR) + "/" + name  # none of these exists: opening would raise FileNotFoundError
+        with pytest.raises(ValueError, match="refusing to map"):
+            shm.open_bucket({"transport": "shm", "path": path, "nbytes": 8})
+
+    def test_open_bucket_refuses_a_short_file(self) -> None:
+        tensors = {"w": torch.arange(10, dtype=torch.int64)}  # 80 bytes
+        bucket = plan_buckets(_manifest(tensors), bucket_bytes=1024)[0]
+
+        def stage(descriptor: dict[str, Any]) -> None:
+            shm.open_bucket({**descriptor, "nbytes": 81})
+
+        with pytest.raises(ValueError, match="holds 80 bytes, the bucket needs 81"):
+            shm.Transport().send(bucket, tensors, stage)
+        assert _own_segments() == []
+
+    def test_mapping_is_copy_on_write(self) -> None:
+        tensors = {"w": torch.arange(16, dtype=torch.uint8)}
+        bucket = plan_buckets(_manifest(tensors), bucket_bytes=1024)[0]
+        out: list[torch.Tensor] = []
+
+        def stage(descriptor: dict[str, Any]) -> None:
+            first, keep1 = shm.open_bucket(descriptor)
+            first.fill_(0xFF)  # a worker writing its copy changes neither the file nor another worker's view
+            second, keep2 = shm.open_bucket(descriptor)
+            assert Path(descriptor["path"]).read_bytes() == bytes(range(16))
+            out.extend([first.clone(), second.clone()])
+            del first, second, keep1, keep2
+
+        shm.Transport().send(bucket, tensors, stage)
+        assert torch.equal(out[0], torch.full((16,), 0xFF, dtype=torch.uint8))
+        assert torch.equal(out[1], tensors["w"])
+
+    def test_zero_byte_bucket(self) -> None:
+        tensors = {"big": torch.zeros(100, dtype=torch.uint8), "empty": torch.zeros(0, 4)}
+        m = _manifest(tensors)
+        plan = plan_buckets(m, bucket_bytes=64)
+        assert [b.nbytes for b in plan] == [100, 0]  # the planner really produces an empty bucket
+        received: dict[str, torch.Tensor] = {}
+
+        def stage(descriptor: dict[str, Any]) -> None:
+            buffer, _ = shm.open_bucket(descriptor)
+            received.update((n, t.clone()) for n, t in unpack(buffer, bucket, m))
+
+        for bucket in plan:
+            shm.Transport().send(bucket, tensors, stage)
+        _assert_same(received, tensors)
+
+    def test_sweep_stale(self, tmp_path: Path) -> None:
+        dead = tmp_path / f"hotweights-{DEAD_PID}-abc"
+        mine = tmp_path / f"hotweights-{os.getpid()}-abc"
+        odd = tmp_path / "hotweights-notapid-abc"
+        other = tmp_path / f"other-{DEAD_PID}-abc"
+        for p in (dead, mine, odd, other):
+            p.write_bytes(b"x")
+        assert shm.sweep_stale(tmp_path) == [dead]
+        assert not dead.exists()
+        assert mine.exists() and odd.exists() and other.exists()
+        assert shm.sweep_stale(tmp_path) == []
+
+
+# ---------------------------------------------------------------------------------------------- bytes
+class TestBytes:
+    def _descriptors(self, tensors: dict[str, torch.Tensor], bucket_bytes: int) -> list[tuple[Bucket, dict[str, Any]]]:
+        out: list[tuple[Bucket, dict[str, Any]]] = []
+        transport = bytes_transport.Transport()
+        for bucket in plan_buckets(_manifest(tensors), bucket_bytes=bucket_bytes):
+            transport.send(bucket, tensors, lambda d, b=bucket: out.append((b, d)))
+        return out
+
+    def test_round_trip(self) -> None:
+        tensors = _tensors()
+        m = _manifest(tensors)
+        sent = self._descriptors(tensors, 300)
+        assert len(sent) > 2
+        received: dict[str, torch.Tensor] = {}
+        for bucket, d in sent:
+            assert d["transport"] == "bytes"
+            assert d["nbytes"] == bucket.nbytes
+            assert isinstance(d["data"], (bytes, bytearray))
+            assert len(d["data"]) == bucket.nbytes
+            # as msgpack delivers it: immutable bytes
+            buffer, _keep = bytes_transport.open_bucket({**d, "data": bytes(d["data"])})
+            assert buffer.numel() == bucket.nbytes
+            received.update(unpack(buffer, bucket, m))
+        _assert_same(received, tensors)
+
+    def test_zero_byte_bucket(self) -> None:
+        tensors = {"big": torch.zeros(100, dtype=torch.uint8), "empty": torch.zeros(0, 4)}
+        sent = self._descriptors(tensors, 64)
+        assert [b.nbytes for b, _ in sent] == [100, 0]
+        buffer, _ = bytes_transport.open_bucket(sent[1][1])
+        assert buffer.numel() == 0
+        assert dict(unpack(buffer, sent[1][0], _manifest(tensors)))["empty"].shape == (0, 4)
+
+    @pytest.mark.parametrize(("delta", "got"), [(-1, 87), (1, 89), (-88, 0)])
+    def test_refuses_a_payload_of_the_wrong_size(self, delta: int, got: int) -> None:
+        tensors = {"w": torch.zeros(11, dtype=torch.int64)}  # 88 bytes
+        ((_, d),) = self._descriptors(tensors, 1024)
+        data = bytes(d["data"])
+        data = data[:delta] if delta < 0 else data + b"\0" * delta
+        with pytest.raises(ValueError, match=rf"bytes payload has {got} bytes, the bucket declares 88"):
+            bytes_transport.open_bucket({**d, "data": data})
+
+    @pytest.mark.parametrize("payload", [None, "x" * 88, list(range(88))])
+    def test_refuses_a_payload_that_is_not_bytes(self, payload: Any) -> None:
+        d = {"transport": "bytes", "data": payload, "nbytes": 88}
+        expected = rf"bytes payload has {type(payload).__name__} bytes, the bucket declares 88"
+        with pytest.raises(ValueError, match=expected):
+            bytes_transport.open_bucket(d)
+
+
+# ---------------------------------------------------------------------------------------------- worker extension
+class _Recorder:
+    def __init__(self, refreshed: int = 2) -> None:
+        self.calls: list[tuple[Any, list[tuple[str, torch.Tensor]]]] = []
+        self.refreshed = refreshed
+
+    def __call__(self, worker: Any, items: Any) -> int:
+        self.calls.append((worker, [(n, t.clone()) for n, t in items]))
+        return self.refreshed
+
+
+def _core(result: dict[str, int]) -> tuple[int, int, int]:
+    """The counts every finish reports (it may report more)."""
+    return result["tensors"], result["bytes"], result["tied_layers_refreshed"]
+
+
+class TestWorkerExtension:
+    """Only the public ``hotweights_*`` methods: the session's internals are free to change."""
+
+    @pytest.fixture
+    def recorder(self, monkeypatch: pytest.MonkeyPatch) -> _Recorder:
+        rec = _Recorder()
+        monkeypatch.setattr(worker_extension, "reload_checkpoint_tensors", rec)
+        return rec
+
+    @staticmethod
+    def _stage(ext: HotWeightsWorkerExtension, update_id: str, bucket: Bucket, tensors: dict[str, torch.Tensor]) -> int:
+        results: list[int] = []
+        bytes_transport.Transport().send(
+            bucket, tensors, lambda d: results.append(ext.hotweights_stage(update_id, bucket.model_dump_json(), d))
+        )
+        (n,) = results
+        return n
+
+    @staticmethod
+    def _assert_closed(ext: HotWeightsWorkerExtension, update_id: str) -> None:
+        with pytest.raises(RuntimeError, match=rf"no open install session '{update_id}'"):
+            ext.hotweights_finish(update_id)
+        assert ext.hotweights_abort(update_id) is False
+
+    def test_ping(self) -> None:
+        assert HotWeightsWorkerExtension().hotweights_ping() == "hotweights"
+
+    def test_full_session_installs_every_tensor_once_in_manifest_order(self, recorder: _Recorder) -> None:
+        tensors = _tensors()
+        m = _manifest(tensors, update_id="u1")
+        plan = plan_buckets(m, bucket_bytes=300)
+        assert len(plan) > 2
+        ext = HotWeightsWorkerExtension()
+        assert ext.hotweights_begin(m.to_json()) == "u1"
+        staged = [self._stage(ext, "u1", b, tensors) for b in reversed(plan)]  # any bucket order
+        assert staged == [b.nbytes for b in reversed(plan)]
+        assert recorder.calls == []  # nothing installed before finish
+        result = ext.hotweights_finish("u1")
+        assert _core(result) == (len(tensors), sum(b.nbytes for b in plan), 2)
+        ((worker, items),) = recorder.calls
+        assert worker is ext
+        assert [n for n, _ in items] == list(m.tensors)  # manifest order, each exactly once
+        _assert_same(dict(items), tensors)
+        self._assert_closed(ext, "u1")
+        assert len(recorder.calls) == 1
+
+    def test_session_is_cleared_when_the_reload_fails(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        def failing(worker: Any, items: Any) -> int:
+            raise RuntimeError("reload failed")
+
+        monkeypatch.setattr(worker_extension, "reload_checkpoint_tensors", failing)
+        tensors = {"w": torch.ones(3)}
+        m = _manifest(tensors, update_id="u1")
+        ext = HotWeightsWorkerExtension()
+        ext.hotweights_begin(m.to_json())
+        self._stage(ext, "u1", plan_buckets(m, bucket_bytes=1024)[0], tensors)
+        with pytest.raises(RuntimeError, match="reload failed"):
+            ext.hotweights_finish("u1")
+        self._assert_closed(ext, "u1")
+
+    def test_stage_for_an_unknown_update_raises(self, recorder: _Recorder) -> None:
+        tensors = {"w": torch.ones(3)}
+        m = _manifest(tensors, update_id="u1")
+        bucket = plan_buckets(m, bucket_bytes=1024)[0]
+        ext = HotWeightsWorkerExtension()
+        with pytest.raises(RuntimeError, match=r"no open install session 'u1' on this worker \(open: None\)"):
+            self._stage(ext, "u1", bucket, tensors)
+        ext.hotweights_begin(m.to_json())
+        with pytest.raises(RuntimeError, match=r"no open install session 'other' on this worker \(open: 'u1'\)"):
+            self._stage(ext, "other", bucket, tensors)
+        with pytest.raises(RuntimeError, match="no open install session 'other'"):
+            ext.hotweights_finish("other")
+        assert self._stage(ext, "u1", bucket, tensors) == 12  # the real session is unaffected
+        assert _core(ext.hotweights_finish("u1")) == (1, 12, 2)
+
+    def test_a_bucket_repeating_staged_tensors_raises(self, recorder: _Recorder) -> None:
+        tensors = _tensors()
+        m = _manifest(tensors, update_id="u1")
+        plan = plan_buckets(m, bucket_bytes=300)
+        ext = HotWeightsWorkerExtension()
+        ext.hotweights_begin(m.to_json())
+        self._stage(ext, "u1", plan[0], tensors)
+        first_names = [e.name for e in plan[0].entries]
+        with pytest.raises(ValueError, match=r"^bucket 0\b.*already staged") as info:
+            self._stage(ext, "u1", plan[0], tensors)
+        for name in first_names:
+            assert repr(name) in str(info.value)
+        for b in plan[1:]:
+            self._stage(ext, "u1", b, tensors)
+        result = ext.hotweights_finish("u1")
+        assert result["bytes"] == sum(b.nbytes for b in plan)  # the refused bucket was not counted
+        assert [n for n, _ in recorder.calls[0][1]] == list(m.tensors)
+
+    def test_a_bucket_the_manifest_does_not_describe_is_refused_without_staging(self, recorder: _Recorder) -> None:
+        tensors = {"w": torch.ones(4), "v": torch.ones(2)}
+        m = _manifest(tensors, update_id="u1")
+        ext = HotWeightsWorkerExtension()
+        ext.hotweights_begin(m.to_json())
+        bad = Bucket(
+            index=0,
+            nbytes=72,
+            entries=(BucketEntry(name="w", offset=0, nbytes=16), BucketEntry(name="ghost", offset=64, nbytes=8)),
+        )
+        with pytest.raises(ValueError, match="'ghost' is not in the manifest"):
+            self._stage(ext, "u1", bad, {"w": tensors["w"], "ghost": torch.zeros(2)})
+        for b in plan_buckets(m, bucket_bytes=1024):  # "w" was not staged by the refused bucket: no "repeat"
+            self._stage(ext, "u1", b, tensors)
+        assert _core(ext.hotweights_finish("u1")) == (2, 72, 2)
+
+    def test_a_short_buffer_is_refused(self, recorder: _Recorder) -> None:
+        tensors = {"w": torch.ones(4)}
+        m = _manifest(tensors, update_id="u1")
+        bucket = plan_buckets(m, bucket_bytes=1024)[0]
+        ext = HotWeightsWorkerExtension()
+        ext.hotweights_begin(m.to_json())
+        short = {"transport": "bytes", "data": b"\0" * 8, "nbytes": 8}  # consistent, but smaller than the bucket
+        with pytest.raises(ValueError, match=r"^bucket 0\b.* 8 bytes.* 16"):
+            ext.hotweights_stage("u1", bucket.model_dump_json(), short)
+
+    def test_finish_with_missing_tensors_names_them(self, recorder: _Recorder) -> None:
+        tensors = _tensors()
+        m = _manifest(tensors, update_id="u1")
+        plan = plan_buckets(m, bucket_bytes=300)
+        ext = HotWeightsWorkerExtension()
+        ext.hotweights_begin(m.to_json())
+        self._stage(ext, "u1", plan[0], tensors)
+        missing = [e.name for b in plan[1:] for e in b.entries]
+        with pytest.raises(ValueError, match=rf"update u1 is incomplete: {len(missing)} tensors never arrived") as info:
+            ext.hotweights_finish("u1")
+        for name in missing[:5]:
+            assert repr(name) in str(info.value)
+        for e in plan[0].entries:
+            assert repr(e.name) not in str(info.value)
+        assert recorder.calls == []  # the model was not touched
+
+    def test_begin_while_open_replaces_the_session(self, recorder: _Recorder) -> None:
+        tensors = {"w": torch.ones(4), "v": torch.full((2,), 3.0)}
+        m1 = _manifest(tensors, update_id="u1")
+        m2 = _manifest(tensors, update_id="u2")
+        plan = plan_buckets(m1, bucket_bytes=16)
+        assert len(plan) == 2
+        ext = HotWeightsWorkerExtension()
+        ext.hotweights_begin(m1.to_json())
+        self._stage(ext, "u1", plan[0], tensors)
+        assert ext.hotweights_begin(m2.to_json()) == "u2"
+        with pytest.raises(RuntimeError, match=r"no open install session 'u1' on this worker \(open: 'u2'\)"):
+            self._stage(ext, "u1", plan[1], tensors)
+        assert ext.hotweights_abort("u1") is False
+        assert self._stage(ext, "u2", plan[0], tensors) == 16  # not a "repeat": what u1 staged did not carry over
+        assert self._stage(ext, "u2", plan[1], tensors) == 8
+        assert _core(ext.hotweights_finish("u2")) == (2, 24, 2)
+        assert [n for n, _ in recorder.calls[0][1]] == ["w", "v"]
+        self._assert_closed(ext, "u1")
+
+    def test_begin_replacing_drops_what_was_staged(self, recorder: _Recorder) -> None:
+        tensors = {"w": torch.ones(4), "v": torch.full((2,), 3.0)}
+        plan = plan_buckets(_manifest(tensors), bucket_bytes=16)
+        ext = HotWeightsWorkerExtension()
+        ext.hotweights_begin(_manifest(tensors, update_id="u1").to_json())
+        self._stage(ext, "u1", plan[0], tensors)
+        ext.hotweights_begin(_manifest(tensors, update_id="u2").to_json())
+        with pytest.raises(ValueError, match=r"2 tensors never arrived: \['w', 'v'\]"):
+            ext.hotweights_finish("u2")
+        assert recorder.calls == []
+
+    def test_abort(self, recorder: _Recorder) -> None:
+        tensors = {"w": torch.ones(4)}
+        m = _manifest(tensors, update_id="u1")
+        bucket = plan_buckets(m, bucket_bytes=1024)[0]
+        ext = HotWeightsWorkerExtension()
+        assert ext.hotweights_abort() is False
+        assert ext.hotweights_abort("u1") is False
+        ext.hotweights_begin(m.to_json())
+        self._stage(ext, "u1", bucket, tensors)
+        assert ext.hotweights_abort("other") is False  # another id leaves the session open
+        assert ext.hotweights_abort("u1") is True
+        self._assert_closed(ext, "u1")
+        ext.hotweights_begin(m.to_json())
+        assert ext.hotweights_abort() is True  # no id: whatever is open
+        assert ext.hotweights_abort() is False
+        assert recorder.calls == []
+
+    def test_sessions_are_per_instance(self) -> None:
+        m = _manifest({"w": torch.ones(1)}, update_id="u1")
+        a, b = HotWeightsWorkerExtension(), HotWeightsWorkerExtension()
+        a.hotweights_begin(m.to_json())
+        assert b.hotweights_abort("u1") is False
+        assert a.hotweights_abort("u1") is True
