@@ -46,11 +46,13 @@ def install(
     layout: WeightLayout | None = None,
     metadata: Mapping[str, MetadataValue] | None = None,
     force: bool = False,
+    digests: bool = False,
 ) -> InstallReport:
     """Install ``tensors`` (checkpoint format, e.g. ``model.state_dict()``) into a running ``vllm.LLM``.
 
     Builds the manifest, validates it against the tensors and the engine, installs through the adapter that fits
-    the engine, resets the prefix cache and returns the report.
+    the engine, resets the prefix cache and returns the report. ``digests=True`` hashes every tensor so the
+    engine verifies the bytes it received before installing (see ``InstallReport.digests_verified``).
 
     Raises:
         WeightManifestValidationError: the tensors do not match what the engine serves; nothing was written.
@@ -63,6 +65,6 @@ def install(
     """
     items = _as_items(tensors)
     manifest = WeightUpdateManifest.from_state_dict(
-        items, weight_version=weight_version, update_id=update_id, layout=layout, metadata=metadata
+        items, weight_version=weight_version, update_id=update_id, layout=layout, metadata=metadata, digests=digests
     )
     return adapter_for(llm).install(manifest, items, force=force)

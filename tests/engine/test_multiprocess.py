@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+import json
 import os
+import random
+import signal
+import subprocess
+import sys
+import threading
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from safetensors.torch import save_file
 
 import hotweights
 from hotweights import (
@@ -20,7 +27,7 @@ from hotweights import (
 )
 from hotweights.core.buckets import Bucket, plan_buckets
 from hotweights.transports import EngineLink, Stage, make_transport
-from hotweights.transports.shm import SHM_DIR
+from hotweights.transports.shm import SHM_DIR, sweep_stale
 
 from .conftest import TinyCheckpoint, Variant, greedy_vllm, start_engine, stop_engine
 
@@ -197,3 +204,129 @@ def test_native_vllm_weight_transfer_backend(checkpoint: Callable[[Variant, int]
     finally:
         stop_engine(llm)
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+
+
+# ---------------------------------------------------------------------------------------------- faults
+class RemoteSenderTransport(WeightTransport):
+    """Buckets packed by another process (a separate trainer process), which the test may kill at any time."""
+
+    name = "shm"  # type: ignore[assignment]
+
+    def __init__(self, weights_file: Path, delay: float) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, str(Path(__file__).with_name("remote_sender.py")), str(weights_file), str(delay)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert self.proc.stdout is not None and self.proc.stdin is not None
+        assert json.loads(self.proc.stdout.readline()) == {"ready": True}
+
+    def send(self, bucket: Bucket, tensors: Mapping[str, torch.Tensor], stage: Stage) -> None:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        try:
+            self.proc.stdin.write(bucket.model_dump_json() + "\n")
+            self.proc.stdin.flush()
+            line = self.proc.stdout.readline()
+        except (BrokenPipeError, OSError) as exc:
+            raise ConnectionError("sender process died") from exc
+        if not line:
+            raise ConnectionError("sender process died")
+        stage(json.loads(line))
+        self.proc.stdin.write("ack\n")
+        self.proc.stdin.flush()
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(10)
+
+
+def test_sender_killed_at_random_points(engine: Engine, tmp_path: Path) -> None:
+    """>= 20 kills of the sending process mid-install (kills that land after it finished do not count): previous
+    weights serve, the version is unchanged, nothing is left in /dev/shm, no process leaks, the next install works."""
+    weights_b = tmp_path / "b.safetensors"
+    save_file(engine.b.state_dict(), str(weights_b))
+    engine.install(engine.a)
+    rng = random.Random(0)
+    outcomes = {"refused": 0, "installed": 0}
+    kills = attempts = 0
+    while outcomes["refused"] < 20 and attempts < 60:
+        attempts += 1
+        sd = engine.b.state_dict()
+        transport = RemoteSenderTransport(weights_b, delay=0.004)
+        adapter = engine.adapter(transport, bucket_bytes=SMALL_BUCKET)
+        killer = threading.Timer(rng.uniform(0.0, 0.1), transport.proc.kill)
+        killer.start()
+        try:
+            adapter.install(WeightUpdateManifest.from_state_dict(sd, weight_version=engine.version()), sd)
+            outcomes["installed"] += 1
+            assert greedy_vllm(engine.llm) == engine.b.fresh
+            engine.install(engine.a)  # back to A for the next round
+        except InstallError as exc:
+            assert isinstance(exc.__cause__, ConnectionError)
+            outcomes["refused"] += 1
+            assert greedy_vllm(engine.llm) == engine.a.fresh
+            assert engine.llm.llm_engine.get_weight_version() == str(engine._version - 1)
+            engine._version -= 1  # the refused version was never installed
+        finally:
+            killer.join()
+            pid = transport.proc.pid
+            transport.close()
+        kills += transport.proc.returncode == -signal.SIGKILL
+        sweep_stale()  # what the next shm transport does: segments of dead senders go
+        assert not list(Path(SHM_DIR).glob(f"hotweights-{pid}-*"))
+        assert transport.proc.poll() is not None  # reaped, not leaked
+    assert outcomes["refused"] >= 20, outcomes
+    engine.install(engine.b)
+    assert greedy_vllm(engine.llm) == engine.b.fresh
+    print(f"\nsender kills: {kills}; outcomes: {outcomes}")
+
+
+def test_no_pickle_anywhere(engine: Engine) -> None:
+    """Installs above ran with insecure serialization off; a callable RPC (pickle) is indeed refused here."""
+    assert "VLLM_ALLOW_INSECURE_SERIALIZATION" not in os.environ
+    with pytest.raises(Exception, match=r"(?i)serializ|pickle"):
+        engine.llm.collective_rpc(len)
+    engine.install(engine.a, "bytes")
+    assert greedy_vllm(engine.llm) == engine.a.fresh
+
+
+class FlipByteTransport(WeightTransport):
+    """The bytes transport, with one byte of the first bucket flipped on the wire."""
+
+    name = "bytes"  # type: ignore[assignment]
+
+    def __init__(self) -> None:
+        self.inner = make_transport("bytes")
+        self.flipped = False
+
+    def send(self, bucket: Bucket, tensors: Mapping[str, torch.Tensor], stage: Stage) -> None:
+        def corrupt(d: dict[str, Any]) -> None:
+            data = bytearray(d["data"])
+            if not self.flipped and data:
+                data[len(data) // 2] ^= 0x10
+                self.flipped = True
+            stage({**d, "data": bytes(data)})
+
+        self.inner.send(bucket, tensors, corrupt)
+
+
+def test_digests_verified_after_transit_and_flipped_byte_refused(engine: Engine) -> None:
+    engine.install(engine.a)
+    version = engine._version
+    sd = engine.b.state_dict()
+    flip = FlipByteTransport()
+    with pytest.raises(InstallError, match="digest mismatch"):
+        engine.adapter(flip).install(
+            WeightUpdateManifest.from_state_dict(sd, weight_version=version + 1, digests=True), sd
+        )
+    assert flip.flipped
+    assert greedy_vllm(engine.llm) == engine.a.fresh
+    assert engine.llm.llm_engine.get_weight_version() == str(version)
+    # A clean transfer of the same update: every digest checked by the workers, then installed.
+    report = engine.adapter("shm").install(
+        WeightUpdateManifest.from_state_dict(sd, weight_version=engine.version(), digests=True), sd
+    )
+    assert report.digests_verified == len(sd)
+    assert greedy_vllm(engine.llm) == engine.b.fresh

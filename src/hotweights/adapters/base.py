@@ -119,10 +119,12 @@ class WeightInstallAdapter(ABC):
                     raise
                 raise InstallError(
                     f"update {manifest.update_id} (v{manifest.weight_version}) failed before the model was touched: "
-                    f"{type(exc).__name__}: {exc}. v{self.active_weight_version} keeps serving; fix the cause and "
-                    "install again."
+                    f"{type(exc).__name__}: {exc}. {self._serving()} keeps serving; fix the cause and install again."
                 ) from exc
-            cleared = self._recover()
+            try:
+                cleared = self._recover()
+            except Exception as rec:
+                cleared = f"recovery failed too ({type(rec).__name__}: {rec}); restart the engine"
             raise InstallError(
                 f"the engine failed while writing update {manifest.update_id} (v{manifest.weight_version}): "
                 f"{type(exc).__name__}: {exc}. Some layers may hold new weights; {cleared}. Install a full update "
@@ -177,6 +179,10 @@ class WeightInstallAdapter(ABC):
         send = [(n, t) for n, t in items if n not in ignored]
         skipped = [(n, ignored[n]) for n, _ in items if n in ignored]
         return send, skipped
+
+    def _serving(self) -> str:
+        v = self.active_weight_version
+        return "the engine's initial weights" if v is None else f"v{v}"
 
     # ------------------------------------------------------------------ hooks
     @abstractmethod

@@ -51,6 +51,8 @@ class VLLMMultiprocessAdapter(WeightInstallAdapter):
         rpc_timeout: float | None = 300.0,
         lock_timeout: float | None = 600.0,
     ) -> None:
+        if bucket_bytes is not None and bucket_bytes <= 0:
+            raise ValueError(f"bucket_bytes must be positive (or None for the default), got {bucket_bytes}")
         if compat.worker_extension(llm) != compat.WORKER_EXTENSION:
             raise EngineNotSupportedError(
                 "this engine was not started with hotweights' worker extension, so its workers cannot receive "

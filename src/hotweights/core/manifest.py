@@ -256,7 +256,8 @@ class WeightUpdateManifest(BaseModel):
         problems = _item_problems(items)
         if problems:
             raise WeightManifestValidationError(problems, context="manifest")
-        return cls._build({name: TensorSpec.of(t) for name, t in items}, weight_version, update_id, layout, metadata)
+        specs = {name: TensorSpec.of(t, digest=digests) for name, t in items}
+        return cls._build(specs, weight_version, update_id, layout, metadata)
 
     @classmethod
     def from_module(

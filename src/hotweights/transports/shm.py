@@ -51,11 +51,12 @@ class Transport(WeightTransport):
 
     name = "shm"
 
-    def __init__(self, directory: str | os.PathLike[str] | None = None) -> None:
-        self.directory = Path(directory) if directory is not None else SHM_DIR
+    def __init__(self) -> None:
+        # Segments of senders that died mid-transfer (SIGKILL skips every cleanup) go first.
+        sweep_stale()
 
     def send(self, bucket: Bucket, tensors: Mapping[str, torch.Tensor], stage: Stage) -> None:
-        path = self.directory / f"{_PREFIX}{os.getpid()}-{uuid.uuid4().hex}"
+        path = SHM_DIR / f"{_PREFIX}{os.getpid()}-{uuid.uuid4().hex}"
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)  # private to this user
         _LIVE.add(path)
         try:
