@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -82,7 +84,7 @@ def test_report_and_versions(engine: Engine) -> None:
     sent = {n: t for n, t in engine.b.state_dict().items() if not (engine.b.variant.tie and n == "lm_head.weight")}
     assert report.num_tensors == len(sent)
     assert report.num_bytes == sum(t.nbytes for t in sent.values())
-    assert list(report.phases) == ["validate", "install", "reset_prefix_cache", "record_version"]
+    assert list(report.phases) == ["validate", "wait_generation", "install", "reset_prefix_cache", "record_version"]
     if engine.b.variant.tie:
         assert report.skipped and report.skipped[0].startswith("lm_head.weight")
     else:
@@ -184,3 +186,32 @@ def test_one_call_install(engine: Engine) -> None:
         hotweights.install(engine.llm, engine.a.state_dict(), weight_version=v)
     assert engine.outputs() == engine.b.fresh
     assert hotweights.adapter_for(engine.llm).active_weight_version == v
+
+
+def test_install_never_overlaps_generation(engine: Engine) -> None:
+    """Rollouts loop in another thread while installs alternate A/B: every response is wholly A's or B's."""
+    engine.install(engine.a)
+    stop = threading.Event()
+    results: list[list[list[int]]] = []
+    errors: list[BaseException] = []
+
+    def rollouts() -> None:
+        while not stop.is_set():
+            try:
+                results.append(greedy_vllm(engine.llm))
+            except BaseException as exc:
+                errors.append(exc)
+                return
+
+    worker = threading.Thread(target=rollouts)
+    worker.start()
+    try:
+        for i in range(6):
+            while len(results) < 2 * i + 1 and not errors:  # let rollouts run between installs
+                time.sleep(0.01)
+            engine.install(engine.b if i % 2 == 0 else engine.a)
+    finally:
+        stop.set()
+        worker.join(120)
+    assert not errors, errors
+    assert {"a" if r == engine.a.fresh else "b" if r == engine.b.fresh else "mixed" for r in results} == {"a", "b"}

@@ -11,6 +11,7 @@ from __future__ import annotations
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from contextlib import ExitStack
 from typing import ClassVar, Literal
 
 import torch
@@ -22,6 +23,7 @@ from hotweights.core.errors import (
     StaleWeightVersionError,
     WeightManifestValidationError,
 )
+from hotweights.core.gate import ServingGate
 from hotweights.core.layout import SUPPORTED_FORMATS
 from hotweights.core.manifest import ExpectedWeights, TensorsLike, WeightUpdateManifest, _as_items
 from hotweights.core.report import InstallReport, PhaseTimer
@@ -42,8 +44,10 @@ class WeightInstallAdapter(ABC):
         expected: what the engine accepts; every manifest is checked against it before anything is written.
             None skips that check (the engine then reports shape errors itself, possibly after partial writes).
         prefix_cache: see :data:`PrefixCachePolicy`.
-        lock_timeout: seconds to wait for a concurrent install to finish before raising
-            :class:`HotWeightsTimeoutError` (None waits forever).
+        lock_timeout: seconds to wait for a concurrent install (and, with a gate, for running generation calls)
+            to finish before raising :class:`HotWeightsTimeoutError` (None waits forever).
+        gate: a :class:`~hotweights.core.gate.ServingGate` that the engine's generation calls enter; the install
+            holds it alone while it writes. None: the caller guarantees installs and generation never overlap.
     """
 
     #: Short name used in reports.
@@ -61,6 +65,7 @@ class WeightInstallAdapter(ABC):
         expected: ExpectedWeights | None = None,
         prefix_cache: PrefixCachePolicy = "reset",
         lock_timeout: float | None = 600.0,
+        gate: ServingGate | None = None,
     ) -> None:
         if prefix_cache not in ("reset", "keep"):
             raise ValueError(f"prefix_cache must be 'reset' or 'keep', not {prefix_cache!r}")
@@ -72,6 +77,8 @@ class WeightInstallAdapter(ABC):
         self.active_update_id: str | None = None
         self._lock = threading.Lock()
         self._may_have_written = False
+        self.gate = gate
+        """Held alone from the first write to the prefix-cache reset, so no generation call sees a mix."""
 
     @property
     def label(self) -> str:
@@ -111,6 +118,15 @@ class WeightInstallAdapter(ABC):
         with timer("validate"):
             send, skipped = self._validate(manifest, items, force)
         self._may_have_written = False
+        with ExitStack() as exclusive:
+            if self.gate is not None:
+                with timer("wait_generation"):
+                    exclusive.enter_context(self.gate.installing(self.lock_timeout))
+            return self._commit(manifest, send, skipped, timer)
+
+    def _commit(
+        self, manifest: WeightUpdateManifest, send: Items, skipped: list[tuple[str, str]], timer: PhaseTimer
+    ) -> InstallReport:
         try:
             summary = self._install(manifest, send, timer) or {}
         except Exception as exc:

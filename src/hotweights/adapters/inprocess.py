@@ -29,6 +29,8 @@ class VLLMInProcessWeightReloadAdapter(WeightInstallAdapter):
         prefix_cache: ``"reset"`` (default) or ``"keep"``.
         rpc_timeout: seconds vLLM may take for the reload call (None: no limit).
         lock_timeout: see :class:`WeightInstallAdapter`.
+        guard_generation: wrap this ``LLM``'s generation methods so that an install never overlaps a generation
+            call in another thread (the install waits for running calls; new ones wait for the install).
 
     Example:
         >>> adapter = VLLMInProcessWeightReloadAdapter(llm)                          # doctest: +SKIP
@@ -46,6 +48,7 @@ class VLLMInProcessWeightReloadAdapter(WeightInstallAdapter):
         prefix_cache: PrefixCachePolicy = "reset",
         rpc_timeout: float | None = None,
         lock_timeout: float | None = 600.0,
+        guard_generation: bool = True,
     ) -> None:
         mode = compat.engine_mode(llm)
         if mode != "inprocess":
@@ -58,6 +61,7 @@ class VLLMInProcessWeightReloadAdapter(WeightInstallAdapter):
             expected=expected if expected is not None else expected_weights(llm),
             prefix_cache=prefix_cache,
             lock_timeout=lock_timeout,
+            gate=compat.serving_gate(llm) if guard_generation else None,
         )
         self.llm = llm
         self.rpc_timeout = rpc_timeout

@@ -29,6 +29,8 @@ class VLLMMultiprocessAdapter(WeightInstallAdapter):
         transport: ``"shm"`` (default, same host), ``"bytes"``, or a :class:`WeightTransport` instance.
         bucket_bytes: bucket size (default: an eighth of available memory, capped at 512 MiB).
         expected, prefix_cache, lock_timeout: see :class:`WeightInstallAdapter`.
+        guard_generation: wrap this ``LLM``'s generation methods so that an install never overlaps a generation
+            call in another thread (the install waits for running calls; new ones wait for the install).
         rpc_timeout: seconds each RPC may take before :class:`HotWeightsTimeoutError`.
 
     Example:
@@ -50,6 +52,7 @@ class VLLMMultiprocessAdapter(WeightInstallAdapter):
         prefix_cache: PrefixCachePolicy = "reset",
         rpc_timeout: float | None = 300.0,
         lock_timeout: float | None = 600.0,
+        guard_generation: bool = True,
     ) -> None:
         if bucket_bytes is not None and bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes must be positive (or None for the default), got {bucket_bytes}")
@@ -67,6 +70,7 @@ class VLLMMultiprocessAdapter(WeightInstallAdapter):
             expected=expected if expected is not None else expected_weights(llm),
             prefix_cache=prefix_cache,
             lock_timeout=lock_timeout,
+            gate=compat.serving_gate(llm) if guard_generation else None,
         )
         self.llm = llm
         self.transport = make_transport(transport) if isinstance(transport, str) else transport

@@ -6,6 +6,7 @@ so ``import hotweights`` stays cheap and works without vLLM.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -13,8 +14,10 @@ from typing import Any
 import torch
 
 from hotweights.core.errors import EngineNotSupportedError, HotWeightsTimeoutError
+from hotweights.core.gate import ServingGate
 
 __all__ = [
+    "GENERATION_METHODS",
     "WORKER_EXTENSION",
     "clear_kv_cache_inprocess",
     "engine_dtype",
@@ -24,6 +27,7 @@ __all__ = [
     "reload_weights",
     "reset_prefix_cache",
     "rpc",
+    "serving_gate",
     "set_engine_weight_version",
     "tie_word_embeddings",
     "worker_extension",
@@ -135,3 +139,34 @@ def rpc(llm: Any, method: str, *args: Any, timeout: float | None = None) -> list
             f"the engine's workers did not answer {method!r} within {timeout} s; check the engine is alive and "
             "not blocked, or raise rpc_timeout"
         ) from exc
+
+
+#: ``vllm.LLM`` methods that run the engine and therefore must not overlap an install.
+GENERATION_METHODS = ("generate", "chat", "beam_search", "encode", "embed", "classify", "score", "reward")
+
+
+def serving_gate(llm: Any) -> ServingGate:
+    """The engine's :class:`ServingGate`, created on first use; the LLM's generation methods enter it.
+
+    The methods are wrapped on this ``LLM`` instance only (``llm.generate`` etc.), so that a generation call in
+    one thread and an install in another never overlap. Idempotent.
+    """
+    gate = getattr(llm, "_hotweights_gate", None)
+    if isinstance(gate, ServingGate):
+        return gate
+    gate = ServingGate()
+    for name in GENERATION_METHODS:
+        method = getattr(llm, name, None)
+        if callable(method):
+            setattr(llm, name, _gated(method, gate))
+    llm._hotweights_gate = gate
+    return gate
+
+
+def _gated(method: Any, gate: ServingGate) -> Any:
+    @functools.wraps(method)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        with gate.serving():
+            return method(*args, **kwargs)
+
+    return call
