@@ -7,6 +7,7 @@ Example:
 
 from hotweights._install import adapter_for, install
 from hotweights.adapters.base import PrefixCachePolicy, WeightInstallAdapter
+from hotweights.adapters.direct import VLLMDirectSetterAdapter
 from hotweights.adapters.inprocess import VLLMInProcessWeightReloadAdapter
 from hotweights.adapters.multiprocess import VLLMMultiprocessAdapter
 from hotweights.core.errors import (
@@ -40,6 +41,7 @@ __all__ = [
     "StaleWeightVersionError",
     "TensorSpec",
     "UnsupportedLayoutError",
+    "VLLMDirectSetterAdapter",
     "VLLMInProcessWeightReloadAdapter",
     "VLLMMultiprocessAdapter",
     "WeightInstallAdapter",

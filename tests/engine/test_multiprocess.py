@@ -330,3 +330,16 @@ def test_digests_verified_after_transit_and_flipped_byte_refused(engine: Engine)
     )
     assert report.digests_verified == len(sd)
     assert greedy_vllm(engine.llm) == engine.b.fresh
+
+
+def test_direct_setter_through_the_worker_extension(engine: Engine) -> None:
+    """Staged buckets (q/k/v split across them) installed by the direct setter inside the worker."""
+    for ckpt in (engine.b, engine.a):
+        sd = ckpt.state_dict()
+        adapter = VLLMMultiprocessAdapter(
+            engine.llm, transport="shm", bucket_bytes=SMALL_BUCKET, install_method="direct"
+        )
+        adapter.active_weight_version = engine._version
+        report = adapter.install(WeightUpdateManifest.from_state_dict(sd, weight_version=engine.version()), sd)
+        assert report.adapter == "multiprocess-shm-direct"
+        assert greedy_vllm(engine.llm) == ckpt.fresh

@@ -26,6 +26,7 @@ EXPECTED_ALL = [
     "StaleWeightVersionError",
     "TensorSpec",
     "UnsupportedLayoutError",
+    "VLLMDirectSetterAdapter",
     "VLLMInProcessWeightReloadAdapter",
     "VLLMMultiprocessAdapter",
     "WORKER_EXTENSION",

@@ -28,6 +28,8 @@ class VLLMMultiprocessAdapter(WeightInstallAdapter):
         llm: the ``vllm.LLM`` (multiprocess, with the hotweights worker extension).
         transport: ``"shm"`` (default, same host), ``"bytes"``, or a :class:`WeightTransport` instance.
         bucket_bytes: bucket size (default: an eighth of available memory, capped at 512 MiB).
+        install_method: how the workers install what they staged: ``"reload"`` (vLLM's layerwise reload) or
+            ``"direct"`` (the direct setter: planned, then copied into the parameters in place).
         expected, prefix_cache, lock_timeout: see :class:`WeightInstallAdapter`.
         guard_generation: wrap this ``LLM``'s generation methods so that an install never overlaps a generation
             call in another thread (the install waits for running calls; new ones wait for the install).
@@ -48,12 +50,15 @@ class VLLMMultiprocessAdapter(WeightInstallAdapter):
         *,
         transport: str | WeightTransport = "shm",
         bucket_bytes: int | None = None,
+        install_method: str = "reload",
         expected: ExpectedWeights | None = None,
         prefix_cache: PrefixCachePolicy = "reset",
         rpc_timeout: float | None = 300.0,
         lock_timeout: float | None = 600.0,
         guard_generation: bool = True,
     ) -> None:
+        if install_method not in ("reload", "direct"):
+            raise ValueError(f"install_method must be 'reload' or 'direct', not {install_method!r}")
         if bucket_bytes is not None and bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes must be positive (or None for the default), got {bucket_bytes}")
         if compat.worker_extension(llm) != compat.WORKER_EXTENSION:
@@ -75,12 +80,14 @@ class VLLMMultiprocessAdapter(WeightInstallAdapter):
         self.llm = llm
         self.transport = make_transport(transport) if isinstance(transport, str) else transport
         self.bucket_bytes = bucket_bytes
+        self.install_method = install_method
         self.rpc_timeout = rpc_timeout
         self.transport.connect(self)
 
     @property
     def label(self) -> str:
-        return f"{self.name}-{self.transport.name}"
+        method = "" if self.install_method == "reload" else f"-{self.install_method}"
+        return f"{self.name}-{self.transport.name}{method}"
 
     # EngineLink, for transports that set up state with the workers
     @property
@@ -109,7 +116,7 @@ class VLLMMultiprocessAdapter(WeightInstallAdapter):
                     self.transport.send(bucket, tensors, stage)
             with timer("install"):
                 self._may_have_written = True
-                summaries = self._rpc("hotweights_finish", sent.update_id)
+                summaries = self._rpc("hotweights_finish", sent.update_id, self.install_method)
         except BaseException:
             with contextlib.suppress(Exception):
                 compat.rpc(self.llm, "hotweights_abort", sent.update_id, timeout=30.0)

@@ -23,6 +23,7 @@ __all__ = [
     "engine_dtype",
     "engine_mode",
     "engine_model_dir",
+    "inprocess_model",
     "num_workers",
     "reload_weights",
     "reset_prefix_cache",
@@ -97,6 +98,14 @@ def clear_kv_cache_inprocess(llm: Any) -> int:
     from hotweights.engine.worker_ops import clear_kv_cache
 
     return sum(llm.collective_rpc(clear_kv_cache))
+
+
+def inprocess_model(llm: Any) -> torch.nn.Module:
+    """The model object of an in-process engine (single worker)."""
+    from hotweights.engine.worker_ops import worker_model
+
+    executor = _llm_engine(llm).model_executor
+    return worker_model(executor.driver_worker)
 
 
 def reset_prefix_cache(llm: Any) -> bool:

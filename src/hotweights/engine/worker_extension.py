@@ -38,10 +38,23 @@ class HotWeightsWorkerExtension:
         """Receive one bucket through its transport and keep its tensors aside; returns the bytes staged."""
         return self._hotweights.stage(update_id, bucket_json, descriptor)
 
-    def hotweights_finish(self, update_id: str) -> dict[str, int]:
-        """Install every staged tensor in one layerwise reload, if and only if all of them arrived."""
+    def hotweights_finish(
+        self, update_id: str, method: str = "reload", ignored: dict[str, str] | None = None
+    ) -> dict[str, int]:
+        """Install every staged tensor, if and only if all of them arrived: in one layerwise reload
+        (``method="reload"``) or by the direct setter (``"direct"``: planned first, then copied in place)."""
+        if method not in ("reload", "direct"):
+            raise ValueError(f"unknown install method {method!r}; use 'reload' or 'direct'")
         items, session = self._hotweights.take(update_id)
-        refreshed = reload_checkpoint_tensors(self, items)
+        if method == "direct":
+            from hotweights.engine.direct import apply_direct, describe_model, plan_direct
+            from hotweights.engine.worker_ops import worker_model
+
+            model = worker_model(self)
+            plan = plan_direct(describe_model(model), session.manifest.tensors)
+            refreshed = apply_direct(model, plan, dict(items))
+        else:
+            refreshed = reload_checkpoint_tensors(self, items)
         return {
             "tensors": len(items),
             "bytes": session.nbytes,

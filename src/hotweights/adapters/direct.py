@@ -1,0 +1,94 @@
+"""Install by copying checkpoint tensors straight into an in-process engine's parameters."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hotweights.adapters.base import Items, PrefixCachePolicy, WeightInstallAdapter
+from hotweights.core.errors import EngineNotSupportedError
+from hotweights.core.manifest import ExpectedWeights, WeightUpdateManifest
+from hotweights.core.report import PhaseTimer
+from hotweights.engine import compat
+from hotweights.engine.direct import DirectPlan, ParamSlot, apply_direct, describe_model, plan_direct
+from hotweights.engine.expected import expected_weights
+
+__all__ = ["VLLMDirectSetterAdapter"]
+
+
+class VLLMDirectSetterAdapter(WeightInstallAdapter):
+    """Copies checkpoint-format tensors into the engine's own parameters, in place.
+
+    Checkpoint names are mapped to vLLM parameters from the model's metadata (``packed_modules_mapping``, fused
+    layers' head counts and output sizes, vocab padding, tensor-parallel rank, LoRA ``base_layer``): q/k/v land in
+    their ``qkv_proj`` slices, gate/up in ``gate_up_proj``. :meth:`plan` is a dry run; an update that cannot be
+    placed entirely is refused before the first copy. Parameters are written in place; layers that vLLM repacked on
+    CPU (0-element parameters) are rebuilt from a full weight and re-processed, which needs all their fused parts.
+
+    Args:
+        llm: an in-process ``vllm.LLM`` (``VLLM_ENABLE_V1_MULTIPROCESSING=0``); for multiprocess engines use
+            ``VLLMMultiprocessAdapter(llm, install_method="direct")``.
+        expected, prefix_cache, lock_timeout, guard_generation: as for the other adapters.
+
+    Example:
+        >>> adapter = VLLMDirectSetterAdapter(llm)                                     # doctest: +SKIP
+        >>> print("\\n".join(adapter.plan(manifest).describe()[:3]))                   # doctest: +SKIP
+        >>> adapter.install(manifest, model.state_dict())                             # doctest: +SKIP
+    """
+
+    name = "direct-setter"
+
+    def __init__(
+        self,
+        llm: Any,
+        *,
+        expected: ExpectedWeights | None = None,
+        prefix_cache: PrefixCachePolicy = "reset",
+        lock_timeout: float | None = 600.0,
+        guard_generation: bool = True,
+    ) -> None:
+        if compat.engine_mode(llm) != "inprocess":
+            raise EngineNotSupportedError(
+                "the direct setter reaches the model's parameters and needs an in-process engine "
+                "(VLLM_ENABLE_V1_MULTIPROCESSING=0); for a multiprocess engine use "
+                "VLLMMultiprocessAdapter(llm, install_method='direct')."
+            )
+        super().__init__(
+            expected=expected if expected is not None else expected_weights(llm),
+            prefix_cache=prefix_cache,
+            lock_timeout=lock_timeout,
+            gate=compat.serving_gate(llm) if guard_generation else None,
+        )
+        self.llm = llm
+        self.model = compat.inprocess_model(llm)
+        self._slots: dict[str, ParamSlot] | None = None
+
+    def plan(self, manifest: WeightUpdateManifest) -> DirectPlan:
+        """Every copy the install would make (target parameter, slice, bytes); raises if any tensor cannot be placed.
+
+        Raises:
+            WeightManifestValidationError: listing every tensor with no parameter, a wrong shape, or a repacked
+                parameter that would get only some of its fused parts.
+        """
+        if self._slots is None:
+            self._slots = describe_model(self.model)
+        ignored = self.expected.ignored if self.expected is not None else {}
+        return plan_direct(self._slots, manifest.tensors, ignored)
+
+    def _install(self, manifest: WeightUpdateManifest, items: Items, timer: PhaseTimer) -> dict[str, int]:
+        with timer("plan"):
+            plan = self.plan(manifest)
+        with timer("install"):
+            self._may_have_written = True
+            apply_direct(self.model, plan, dict(items))
+        return {"digests_verified": sum(manifest.tensors[n].digest is not None for n, _ in items)}
+
+    def _reset_prefix_cache(self) -> bool:
+        return compat.reset_prefix_cache(self.llm)
+
+    def _record_engine_version(self, version: str) -> str | None:
+        return compat.set_engine_weight_version(self.llm, version)
+
+    def _recover(self) -> str:
+        zeroed = compat.clear_kv_cache_inprocess(self.llm)
+        compat.reset_prefix_cache(self.llm)
+        return f"the prefix cache was reset and {zeroed} KV-cache tensors zeroed"

@@ -1,0 +1,227 @@
+"""Direct setter: copy checkpoint-format tensors straight into a live vLLM model's parameters.
+
+The map from checkpoint names to parameters is read from the model itself: its ``packed_modules_mapping`` (which
+checkpoint modules are fused into which vLLM module), the fused layers' head counts and output sizes, vocab
+padding, tensor-parallel rank/size, and LoRA wrappers (``base_layer``). :func:`plan_direct` computes every copy
+before the first one runs; :func:`apply_direct` then copies slices in place (no reallocation, so captured pointers
+stay valid). Layers whose weight vLLM repacked on CPU (a 0-element parameter, the data living in a oneDNN handle)
+are rebuilt from a full weight and re-processed, and only when every fused part of them is in the update.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from hotweights.core.errors import Mismatch, WeightManifestValidationError
+from hotweights.core.manifest import TensorSpec
+from hotweights.core.placement import ParamKind, Placement, TargetParam, place
+from hotweights.engine.worker_ops import refresh_tied_layers
+
+__all__ = ["DirectPlan", "ParamSlot", "apply_direct", "describe_model", "plan_direct"]
+
+
+@dataclass(frozen=True)
+class ParamSlot:
+    """Where one checkpoint tensor goes: the module, the parameter attribute, its description and fused shard."""
+
+    module_name: str
+    attr: str
+    target: TargetParam
+    shard: str | int | None
+    rank_shape: tuple[int, ...]
+    """This rank's shape of the whole parameter (also for packed, 0-element parameters)."""
+    tp_rank: int
+    tp_size: int
+
+
+@dataclass
+class DirectPlan:
+    """Every copy of an update, computed before any is made."""
+
+    placements: list[tuple[Placement, ParamSlot]] = field(default_factory=list)
+    skipped: dict[str, str] = field(default_factory=dict)
+    nbytes: int = 0
+
+    def describe(self) -> list[str]:
+        """One line per copy: checkpoint tensor -> parameter[slice]."""
+        return [
+            f"{p.checkpoint_name} -> {p.param}[dim {p.dim}: {p.dst_start}:{p.dst_start + p.length}]"
+            f" <- src[{p.src_start}:{p.src_start + p.length}]"
+            for p, _ in self.placements
+        ]
+
+
+def _layer_classes() -> dict[str, type]:
+    from vllm.model_executor.layers import linear, vocab_parallel_embedding
+
+    return {
+        "qkv": linear.QKVParallelLinear,
+        "merged_column": linear.MergedColumnParallelLinear,
+        "row": linear.RowParallelLinear,
+        "column": linear.ColumnParallelLinear,
+        "vocab": vocab_parallel_embedding.VocabParallelEmbedding,
+    }
+
+
+def _kind(module: torch.nn.Module, attr: str, classes: dict[str, type]) -> ParamKind:
+    # order matters: QKV and merged layers are column-parallel subclasses
+    for kind in ("qkv", "merged_column", "row", "column", "vocab"):
+        if isinstance(module, classes[kind]):
+            if kind == "row" and attr == "bias":
+                return "replicated"
+            return kind
+    return "replicated"
+
+
+def _rank_shape(module: Any, attr: str, param: torch.Tensor, kind: ParamKind) -> tuple[int, ...]:
+    if param.numel() > 0 or kind == "replicated":
+        return tuple(param.shape)
+    if attr == "weight" and hasattr(module, "input_size_per_partition"):
+        return (int(module.output_size_per_partition), int(module.input_size_per_partition))
+    return tuple(param.shape)
+
+
+def describe_model(model: torch.nn.Module) -> dict[str, ParamSlot]:
+    """Checkpoint name -> slot, for every parameter of a vLLM model (from the model's own metadata)."""
+    classes = _layer_classes()
+    packed: Mapping[str, list[str]] = getattr(model, "packed_modules_mapping", {}) or {}
+    slots: dict[str, ParamSlot] = {}
+    for module_name, module in model.named_modules():
+        for attr, param in module.named_parameters(recurse=False):
+            kind = _kind(module, attr, classes)
+            tp_rank, tp_size = int(getattr(module, "tp_rank", 0)), int(getattr(module, "tp_size", 1))
+            ckpt_module = module_name.replace(".base_layer", "")
+            full = _full_shape(module, attr, param, kind, tp_size)
+            target = TargetParam(
+                name=f"{module_name}.{attr}",
+                kind=kind,
+                full_shape=full,
+                output_sizes=tuple(int(s) for s in getattr(module, "output_sizes", ()) or ()),
+                num_heads=int(getattr(module, "total_num_heads", 0)),
+                num_kv_heads=int(getattr(module, "total_num_kv_heads", 0)),
+                head_size=int(getattr(module, "head_size", 0)),
+                padded_rows=int(getattr(module, "num_embeddings_padded", 0)),
+            )
+            rank_shape = _rank_shape(module, attr, param, kind)
+            prefix, _, leaf = ckpt_module.rpartition(".")
+            parts = packed.get(leaf)
+            if parts and kind in ("qkv", "merged_column"):
+                for i, part in enumerate(parts):
+                    shard: str | int = "qkv"[i] if kind == "qkv" else i
+                    name = f"{prefix}.{part}.{attr}" if prefix else f"{part}.{attr}"
+                    slots[name] = ParamSlot(module_name, attr, target, shard, rank_shape, tp_rank, tp_size)
+            else:
+                slots[f"{ckpt_module}.{attr}"] = ParamSlot(
+                    module_name, attr, target, None, rank_shape, tp_rank, tp_size
+                )
+    return slots
+
+
+def _full_shape(module: Any, attr: str, param: torch.Tensor, kind: ParamKind, tp: int) -> tuple[int, ...]:
+    if kind == "vocab":
+        return (int(module.org_vocab_size), *tuple(param.shape[1:]))
+    if kind == "column":
+        rows = int(getattr(module, "output_size", param.shape[0] * tp))
+        return (rows, int(module.input_size)) if attr == "weight" else (rows,)
+    if kind == "row":
+        return (int(module.output_size), int(module.input_size))
+    return tuple(param.shape)
+
+
+def plan_direct(
+    slots: Mapping[str, ParamSlot], specs: Mapping[str, TensorSpec], ignored: Mapping[str, str] | None = None
+) -> DirectPlan:
+    """Place every tensor of an update; raise listing every tensor that cannot be placed, before any copy.
+
+    Raises:
+        WeightManifestValidationError: a name has no parameter, a placement does not fit the parameter, or a
+            repacked (0-element) parameter would receive only some of its fused parts.
+    """
+    plan, problems = DirectPlan(skipped=dict(ignored or {})), []
+    covered: dict[str, set[str | int | None]] = {}
+    for name, spec in specs.items():
+        if name in plan.skipped:
+            continue
+        slot = slots.get(name)
+        if slot is None:
+            problems.append(Mismatch("unexpected", name, actual="no engine parameter takes this checkpoint name"))
+            continue
+        try:
+            p = place(name, slot.target, shard=slot.shard, tp_rank=slot.tp_rank, tp_size=slot.tp_size)
+        except ValueError as exc:
+            problems.append(Mismatch("shape", name, expected=slot.target.name, actual=str(exc)))
+            continue
+        problems += _fit(p, slot, spec)
+        covered.setdefault(slot.target.name, set()).add(slot.shard)
+        plan.placements.append((p, slot))
+        plan.nbytes += spec.expected_nbytes
+    fused: dict[str, set[str | int | None]] = {}
+    for s in slots.values():
+        fused.setdefault(s.target.name, set()).add(s.shard)
+    for target, shards in covered.items():
+        if shards != fused[target]:
+            missing = sorted(str(x) for x in fused[target] - shards)
+            problems.append(
+                Mismatch("missing", target, expected=f"all fused parts; parts {missing} are not in the update")
+            )
+    if problems:
+        raise WeightManifestValidationError(problems, context="direct install plan")
+    return plan
+
+
+def _fit(p: Placement, slot: ParamSlot, spec: TensorSpec) -> list[Mismatch]:
+    src, dst = spec.shape, slot.rank_shape
+    ok = (
+        len(src) == len(dst)
+        and p.src_start + p.length <= (src[p.dim] if src else 1)
+        and p.dst_start + p.length <= (dst[p.dim] if dst else 1)
+        and all(src[d] == dst[d] for d in range(len(src)) if d != p.dim)
+    )
+    if ok:
+        return []
+    return [
+        Mismatch(
+            "shape", p.checkpoint_name, expected=f"a part of {slot.target.name} {list(dst)}", actual=str(list(src))
+        )
+    ]
+
+
+@torch.no_grad()
+def apply_direct(model: torch.nn.Module, plan: DirectPlan, tensors: Mapping[str, torch.Tensor]) -> int:
+    """Run a plan: slice copies into live parameters; rebuild and re-process repacked CPU layers.
+
+    Returns the number of layers re-processed.
+    """
+    rebuilt: dict[str, torch.Tensor] = {}
+    touched: dict[str, torch.nn.Module] = {}
+    for p, slot in plan.placements:
+        module = model.get_submodule(slot.module_name)
+        param = getattr(module, slot.attr)
+        key = f"{slot.module_name}.{slot.attr}"
+        if param.numel() == 0 and slot.rank_shape and 0 not in slot.rank_shape:
+            dst = rebuilt.setdefault(key, torch.empty(slot.rank_shape, dtype=param.dtype, device=param.device))
+        else:
+            dst = param.data
+        src = tensors[p.checkpoint_name]
+        if src.dim() == 0:
+            dst.copy_(src)
+        else:
+            dst.narrow(p.dim, p.dst_start, p.length).copy_(src.narrow(p.dim, p.src_start, p.length))
+        touched[slot.module_name] = module
+    for key, weight in rebuilt.items():
+        module_name, _, attr = key.rpartition(".")
+        setattr(model.get_submodule(module_name), attr, torch.nn.Parameter(weight, requires_grad=False))
+    reprocessed = 0
+    for module in _needs_reprocessing(touched.values()):
+        module.quant_method.process_weights_after_loading(module)
+        reprocessed += 1
+    return reprocessed + refresh_tied_layers(model)
+
+
+def _needs_reprocessing(modules: Iterable[torch.nn.Module]) -> list[Any]:
+    """Layers holding state derived from their weight (vLLM's CPU GEMM dispatch): rebuilt from the new weight."""
+    return [m for m in modules if hasattr(m, "cpu_linear") and getattr(m, "quant_method", None) is not None]
