@@ -10,6 +10,7 @@ from hotweights.adapters.base import PrefixCachePolicy, WeightInstallAdapter
 from hotweights.adapters.direct import VLLMDirectSetterAdapter
 from hotweights.adapters.inprocess import VLLMInProcessWeightReloadAdapter
 from hotweights.adapters.multiprocess import VLLMMultiprocessAdapter
+from hotweights.adapters.native import VLLMWeightTransferAdapter
 from hotweights.core.errors import (
     EngineNotSupportedError,
     HotWeightsError,
@@ -44,6 +45,7 @@ __all__ = [
     "VLLMDirectSetterAdapter",
     "VLLMInProcessWeightReloadAdapter",
     "VLLMMultiprocessAdapter",
+    "VLLMWeightTransferAdapter",
     "WeightInstallAdapter",
     "WeightLayout",
     "WeightManifestValidationError",

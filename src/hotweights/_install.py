@@ -9,10 +9,12 @@ from typing import Any
 from hotweights.adapters.base import WeightInstallAdapter
 from hotweights.adapters.inprocess import VLLMInProcessWeightReloadAdapter
 from hotweights.adapters.multiprocess import VLLMMultiprocessAdapter
+from hotweights.adapters.native import VLLMWeightTransferAdapter
 from hotweights.core.layout import WeightLayout
 from hotweights.core.manifest import MetadataValue, TensorsLike, WeightUpdateManifest, _as_items
 from hotweights.core.report import InstallReport
 from hotweights.engine import compat
+from hotweights.engine.vllm_plugin import BACKEND
 
 __all__ = ["adapter_for", "install"]
 
@@ -31,6 +33,8 @@ def adapter_for(llm: Any) -> WeightInstallAdapter:
         if adapter is None:
             if compat.engine_mode(llm) == "inprocess":
                 adapter = VLLMInProcessWeightReloadAdapter(llm)
+            elif compat.weight_transfer_backend(llm) == BACKEND and not compat.worker_extension(llm):
+                adapter = VLLMWeightTransferAdapter(llm, transport="shm")
             else:
                 adapter = VLLMMultiprocessAdapter(llm, transport="shm")
             setattr(llm, _ATTR, adapter)

@@ -175,37 +175,6 @@ def test_one_call_install_picks_shared_memory(engine: Engine) -> None:
     engine._version = v
 
 
-def test_native_vllm_weight_transfer_backend(checkpoint: Callable[[Variant, int], TinyCheckpoint]) -> None:
-    """vLLM's own init/start/update/finish flow with hotweights' registered backend and shm buckets."""
-    a, b = checkpoint(VARIANT, 1), checkpoint(VARIANT, 2)
-    llm = start_engine(a.path, multiprocess=True, weight_transfer_config={"backend": "hotweights"})
-    try:
-        llm.collective_rpc("init_weight_transfer_engine", kwargs={"init_info": {}})
-        for ckpt, version in ((b, 1), (a, 2)):
-            sd = ckpt.state_dict()
-            manifest = WeightUpdateManifest.from_state_dict(sd, weight_version=version)
-            llm.collective_rpc("start_weight_update")
-            with make_transport("shm") as shm:
-                for bucket in plan_buckets(manifest, SMALL_BUCKET):
-                    info = {"update_id": manifest.update_id, "bucket_json": bucket.model_dump_json()}
-                    if bucket.index == 0:
-                        info["manifest_json"] = manifest.to_json()
-                    shm.send(
-                        bucket,
-                        sd,
-                        lambda d, i=info: llm.collective_rpc(
-                            "update_weights", kwargs={"update_info": {**i, "descriptor": d}}
-                        ),
-                    )
-            llm.collective_rpc("finish_weight_update")
-            llm.reset_prefix_cache()
-            assert greedy_vllm(llm) == ckpt.fresh
-        assert _our_segments() == []
-    finally:
-        stop_engine(llm)
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-
-
 # ---------------------------------------------------------------------------------------------- faults
 class RemoteSenderTransport(WeightTransport):
     """Buckets packed by another process (a separate trainer process), which the test may kill at any time."""

@@ -29,6 +29,7 @@ EXPECTED_ALL = [
     "VLLMDirectSetterAdapter",
     "VLLMInProcessWeightReloadAdapter",
     "VLLMMultiprocessAdapter",
+    "VLLMWeightTransferAdapter",
     "WORKER_EXTENSION",
     "WeightInstallAdapter",
     "WeightLayout",

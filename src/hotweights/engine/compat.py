@@ -31,6 +31,7 @@ __all__ = [
     "serving_gate",
     "set_engine_weight_version",
     "tie_word_embeddings",
+    "weight_transfer_backend",
     "worker_extension",
 ]
 
@@ -132,17 +133,25 @@ def worker_extension(llm: Any) -> str:
     return str(getattr(parallel, "worker_extension_cls", "") or "")
 
 
+def weight_transfer_backend(llm: Any) -> str:
+    """The ``weight_transfer_config.backend`` the engine was started with ("" when none)."""
+    config = getattr(_llm_engine(llm).vllm_config, "weight_transfer_config", None)
+    return str(getattr(config, "backend", "") or "") if config is not None else ""
+
+
 def num_workers(llm: Any) -> int:
     """Worker processes of the engine (tensor x pipeline parallel size)."""
     parallel = _llm_engine(llm).vllm_config.parallel_config
     return int(parallel.world_size)
 
 
-def rpc(llm: Any, method: str, *args: Any, timeout: float | None = None) -> list[Any]:
+def rpc(
+    llm: Any, method: str, *args: Any, timeout: float | None = None, kwargs: dict[str, Any] | None = None
+) -> list[Any]:
     """``collective_rpc`` by method name (never a callable: that would need pickle in a multiprocess engine);
     a timeout becomes :class:`HotWeightsTimeoutError` naming the method."""
     try:
-        return list(llm.collective_rpc(method, timeout=timeout, args=args))
+        return list(llm.collective_rpc(method, timeout=timeout, args=args, kwargs=kwargs))
     except TimeoutError as exc:
         raise HotWeightsTimeoutError(
             f"the engine's workers did not answer {method!r} within {timeout} s; check the engine is alive and "

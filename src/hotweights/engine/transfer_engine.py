@@ -48,9 +48,11 @@ class HotWeightsUpdateInfo(WeightTransferUpdateInfo):
     """One bucket; the first bucket of an update also carries the manifest (JSON)."""
 
     update_id: str
-    bucket_json: str
-    descriptor: dict[str, Any]
+    bucket_json: str = ""
+    descriptor: dict[str, Any] | None = None
     manifest_json: str | None = None
+    abort: bool = False
+    """Drop what was staged for ``update_id`` (then ``finish_weight_update`` closes the session untouched)."""
 
 
 class HotWeightsTransferEngine(WeightTransferEngine[HotWeightsInitInfo, HotWeightsUpdateInfo]):
@@ -85,6 +87,12 @@ class HotWeightsTransferEngine(WeightTransferEngine[HotWeightsInitInfo, HotWeigh
             torch.accelerator.synchronize()
 
     def receive_weights(self, update_info: HotWeightsUpdateInfo) -> None:
+        if update_info.abort:
+            self._staging.abort(update_info.update_id)
+            self._update_id = None
+            return
+        if update_info.descriptor is None:
+            raise ValueError("update_info needs a 'descriptor' (or abort=True)")
         if update_info.manifest_json is not None:
             self._update_id = self._staging.begin(update_info.manifest_json)
         self._staging.stage(update_info.update_id, update_info.bucket_json, update_info.descriptor)

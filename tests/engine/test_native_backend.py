@@ -1,0 +1,100 @@
+"""hotweights as a backend of vLLM's own weight-transfer API (``weight_transfer_config={"backend": "hotweights"}``),
+registered through the ``vllm.general_plugins`` entry point, on one real multiprocess engine."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from hotweights import InstallError, VLLMWeightTransferAdapter, WeightUpdateManifest
+from hotweights.core.buckets import plan_buckets
+from hotweights.transports import make_transport
+
+from .conftest import TinyCheckpoint, Variant, greedy_vllm, start_engine, stop_engine
+from .test_multiprocess import SMALL_BUCKET, CountingTransport, _our_segments
+
+pytestmark = pytest.mark.engine
+
+VARIANT = Variant("qwen2", torch.float32, tie=False)
+
+
+class Native:
+    def __init__(self, llm: Any, a: TinyCheckpoint, b: TinyCheckpoint) -> None:
+        self.llm, self.a, self.b, self.version = llm, a, b, 0
+
+    def adapter(self, transport: Any) -> VLLMWeightTransferAdapter:
+        adapter = VLLMWeightTransferAdapter(self.llm, transport=transport, bucket_bytes=SMALL_BUCKET)
+        adapter.active_weight_version = self.version
+        return adapter
+
+    def install(self, adapter: VLLMWeightTransferAdapter, ckpt: TinyCheckpoint) -> None:
+        self.version += 1
+        sd = ckpt.state_dict()
+        adapter.install(WeightUpdateManifest.from_state_dict(sd, weight_version=self.version, digests=True), sd)
+
+
+@pytest.fixture(scope="module")
+def native(checkpoint: Callable[[Variant, int], TinyCheckpoint]) -> Iterator[Native]:
+    a, b = checkpoint(VARIANT, 1), checkpoint(VARIANT, 2)
+    llm = start_engine(a.path, multiprocess=True, weight_transfer_config={"backend": "hotweights"})
+    yield Native(llm, a, b)
+    stop_engine(llm)
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+
+
+def test_raw_native_flow(native: Native) -> None:
+    """What a user of vLLM's API writes by hand: start, update_weights per bucket (JSON + shm path), finish."""
+    llm = native.llm
+    for ckpt in (native.b, native.a):
+        sd = ckpt.state_dict()
+        manifest = WeightUpdateManifest.from_state_dict(sd, weight_version=0)
+        llm.collective_rpc("start_weight_update")
+        with make_transport("shm") as shm:
+            for bucket in plan_buckets(manifest, SMALL_BUCKET):
+                info = {"update_id": manifest.update_id, "bucket_json": bucket.model_dump_json()}
+                if bucket.index == 0:
+                    info["manifest_json"] = manifest.to_json()
+
+                def stage(d: dict[str, Any], i: dict[str, Any] = info) -> None:
+                    llm.collective_rpc("update_weights", kwargs={"update_info": {**i, "descriptor": d}})
+
+                shm.send(bucket, sd, stage)
+        llm.collective_rpc("finish_weight_update")
+        llm.reset_prefix_cache()
+        assert greedy_vllm(llm) == ckpt.fresh
+    assert _our_segments() == []
+
+
+@pytest.mark.parametrize("transport", ["shm", "bytes", "collective"])
+def test_adapter_a_to_b_to_a(native: Native, transport: str) -> None:
+    adapter = native.adapter(transport)
+    for ckpt in (native.b, native.a, native.b):
+        native.install(adapter, ckpt)
+        assert greedy_vllm(native.llm) == ckpt.fresh
+    assert native.llm.llm_engine.get_weight_version() == str(native.version)
+    adapter.close()
+
+
+def test_collective_reinit_after_trainer_restart(native: Native) -> None:
+    first = native.adapter("collective")
+    native.install(first, native.a)
+    second = native.adapter("collective")  # a restarted trainer: new rendezvous, the stale group is closed first
+    native.install(second, native.b)
+    assert greedy_vllm(native.llm) == native.b.fresh
+    second.close()
+
+
+def test_interrupted_update_keeps_previous_weights(native: Native) -> None:
+    native.install(native.adapter("shm"), native.a)
+    dying = CountingTransport("shm", fail_after=4)
+    with pytest.raises(InstallError):
+        native.install(native.adapter(dying), native.b)
+    native.version -= 1
+    assert greedy_vllm(native.llm) == native.a.fresh
+    assert native.llm.llm_engine.get_weight_version() == str(native.version)
+    native.install(native.adapter("shm"), native.b)  # vLLM's session was closed cleanly: the next one works
+    assert greedy_vllm(native.llm) == native.b.fresh
