@@ -6,7 +6,7 @@ import contextlib
 from typing import Any
 
 from hotweights.adapters.base import Items, PrefixCachePolicy, WeightInstallAdapter
-from hotweights.core.buckets import plan_buckets
+from hotweights.core.buckets import default_bucket_bytes, plan_buckets
 from hotweights.core.errors import EngineNotSupportedError
 from hotweights.core.manifest import ExpectedWeights, WeightUpdateManifest
 from hotweights.core.report import PhaseTimer
@@ -27,7 +27,8 @@ class VLLMMultiprocessAdapter(WeightInstallAdapter):
     Args:
         llm: the ``vllm.LLM`` (multiprocess, with the hotweights worker extension).
         transport: ``"shm"`` (default, same host), ``"bytes"``, or a :class:`WeightTransport` instance.
-        bucket_bytes: bucket size (default: an eighth of available memory, capped at 512 MiB).
+        bucket_bytes: bucket size (default: the transport's ``preferred_bucket_bytes``, capped at an eighth of
+            available memory).
         install_method: how the workers install what they staged: ``"reload"`` (vLLM's layerwise reload) or
             ``"direct"`` (the direct setter: planned, then copied into the parameters in place).
         expected, prefix_cache, lock_timeout: see :class:`WeightInstallAdapter`.
@@ -102,7 +103,7 @@ class VLLMMultiprocessAdapter(WeightInstallAdapter):
     def _install(self, manifest: WeightUpdateManifest, items: Items, timer: PhaseTimer) -> dict[str, int]:
         tensors = dict(items)
         sent = manifest.model_copy(update={"tensors": {n: manifest.tensors[n] for n in tensors}})
-        buckets = plan_buckets(sent, self.bucket_bytes)
+        buckets = plan_buckets(sent, self._bucket_bytes())
         with timer("begin"):
             self._rpc("hotweights_begin", sent.to_json())
         try:
@@ -127,6 +128,9 @@ class VLLMMultiprocessAdapter(WeightInstallAdapter):
         zeroed = sum(compat.rpc(self.llm, "hotweights_clear_kv_cache", timeout=self.rpc_timeout))
         compat.reset_prefix_cache(self.llm)
         return f"the prefix cache was reset and {zeroed} KV-cache tensors zeroed"
+
+    def _bucket_bytes(self) -> int:
+        return self.bucket_bytes or default_bucket_bytes(self.transport.preferred_bucket_bytes)
 
     def _reset_prefix_cache(self) -> bool:
         return compat.reset_prefix_cache(self.llm)

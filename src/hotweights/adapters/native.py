@@ -6,7 +6,7 @@ import contextlib
 from typing import Any
 
 from hotweights.adapters.base import Items, PrefixCachePolicy, WeightInstallAdapter
-from hotweights.core.buckets import plan_buckets
+from hotweights.core.buckets import default_bucket_bytes, plan_buckets
 from hotweights.core.errors import EngineNotSupportedError
 from hotweights.core.manifest import ExpectedWeights, WeightUpdateManifest
 from hotweights.core.report import PhaseTimer
@@ -96,7 +96,9 @@ class VLLMWeightTransferAdapter(WeightInstallAdapter):
             self._rpc("start_weight_update")
         try:
             with timer("transfer"):
-                for bucket in plan_buckets(sent, self.bucket_bytes):
+                for bucket in plan_buckets(
+                    sent, self.bucket_bytes or default_bucket_bytes(self.transport.preferred_bucket_bytes)
+                ):
                     info: dict[str, Any] = {"update_id": sent.update_id, "bucket_json": bucket.model_dump_json()}
                     if bucket.index == 0:
                         info["manifest_json"] = sent.to_json()
@@ -115,6 +117,9 @@ class VLLMWeightTransferAdapter(WeightInstallAdapter):
                     self._rpc("finish_weight_update")
             raise
         return {"digests_verified": sum(s.digest is not None for s in sent.tensors.values())}
+
+    def _bucket_bytes(self) -> int:
+        return self.bucket_bytes or default_bucket_bytes(self.transport.preferred_bucket_bytes)
 
     def _reset_prefix_cache(self) -> bool:
         return compat.reset_prefix_cache(self.llm)

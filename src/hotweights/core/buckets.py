@@ -56,13 +56,15 @@ def _align(n: int) -> int:
     return (n + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT
 
 
-def default_bucket_bytes() -> int:
-    """An eighth of the memory available now, capped at 512 MiB (floor 16 MiB)."""
+def default_bucket_bytes(preferred: int = MAX_DEFAULT_BUCKET_BYTES) -> int:
+    """``preferred`` (a transport's best size), capped at an eighth of the memory available now and at 512 MiB
+    (floor 16 MiB)."""
+    cap = min(preferred, MAX_DEFAULT_BUCKET_BYTES)
     try:
         free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):
-        return MAX_DEFAULT_BUCKET_BYTES
-    return max(16 << 20, min(MAX_DEFAULT_BUCKET_BYTES, free // 8))
+        return cap
+    return max(16 << 20, min(cap, free // 8))
 
 
 def plan_buckets(manifest: WeightUpdateManifest, bucket_bytes: int | None = None) -> list[Bucket]:

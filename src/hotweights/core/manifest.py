@@ -13,7 +13,7 @@ import uuid
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import pydantic
 import torch
@@ -36,7 +36,7 @@ __all__ = [
 #: A tensor set: a mapping name -> tensor or an iterable of (name, tensor) pairs.
 TensorsLike = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
 
-MetadataValue = str | int | float | bool | None
+MetadataValue = str | int | Annotated[float, Field(allow_inf_nan=False)] | bool | None
 
 
 def dtype_to_str(dtype: torch.dtype) -> str:
@@ -135,22 +135,51 @@ class TensorSpec(BaseModel):
 def _as_items(tensors: TensorsLike) -> list[tuple[str, torch.Tensor]]:
     if isinstance(tensors, Mapping):
         return list(tensors.items())
-    return list(tensors)
+    try:
+        return list(tensors)
+    except TypeError:
+        problem = Mismatch(
+            "manifest", "tensors", actual=f"expected a mapping or (name, tensor) pairs, got {tensors!r:.80}"
+        )
+        raise WeightManifestValidationError([problem]) from None
+
+
+def _is_pair(item: object) -> bool:
+    return isinstance(item, (tuple, list)) and len(item) == 2 and isinstance(item[0], str)
+
+
+def _tensor_problem(t: object) -> str | None:
+    """Why a value cannot be installed, or None."""
+    if not isinstance(t, torch.Tensor):
+        return type(t).__name__
+    if t.is_nested or t.layout != torch.strided:
+        return f"{t.layout} tensor: send dense tensors (tensor.to_dense())"
+    if t.is_meta:
+        return "meta tensor: it has no data to install"
+    return None
 
 
 def _item_problems(items: list[tuple[str, torch.Tensor]]) -> list[Mismatch]:
-    """Values that are not tensors, and names given more than once."""
-    out = [
-        Mismatch("not_tensor", name, expected="torch.Tensor", actual=type(t).__name__)
-        for name, t in items
-        if not isinstance(t, torch.Tensor)
-    ]
+    """Items that are not (name, tensor) pairs, values that are not dense tensors with data, repeated names."""
+    out: list[Mismatch] = []
     seen: set[str] = set()
-    for name, _ in items:
+    for i, item in enumerate(items):
+        if not _is_pair(item):
+            out.append(Mismatch("manifest", f"item {i}", actual=f"expected a (name, tensor) pair, got {item!r:.80}"))
+            continue
+        name, t = item
+        why = _tensor_problem(t)
+        if why is not None:
+            out.append(Mismatch("not_tensor", name, expected="a dense torch.Tensor", actual=why))
         if name in seen:
             out.append(Mismatch("manifest", name, actual="name appears more than once"))
         seen.add(name)
     return out
+
+
+def _installable(items: list[tuple[str, torch.Tensor]]) -> dict[str, TensorSpec]:
+    """Specs of the well-formed items (the others are reported by :func:`_item_problems`)."""
+    return {item[0]: TensorSpec.of(item[1]) for item in items if _is_pair(item) and _tensor_problem(item[1]) is None}
 
 
 def compare_specs(
@@ -336,10 +365,7 @@ class WeightUpdateManifest(BaseModel):
     def mismatches(self, tensors: TensorsLike) -> list[Mismatch]:
         """Every difference between this manifest and a tensor set (empty when they match)."""
         items = _as_items(tensors)
-        out = _item_problems(items)
-        actual = {name: TensorSpec.of(t) for name, t in items if isinstance(t, torch.Tensor)}
-        out += compare_specs(self.tensors, actual)
-        return out
+        return _item_problems(items) + compare_specs(self.tensors, _installable(items))
 
     def digest_mismatches(self, tensors: TensorsLike) -> list[Mismatch]:
         """Tensors whose bytes do not hash to the digest their spec carries (specs without one are skipped)."""

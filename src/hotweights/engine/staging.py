@@ -10,6 +10,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
+import pydantic
 import torch
 
 from hotweights.core.buckets import Bucket, bucket_problems, unpack
@@ -57,13 +58,26 @@ class StagingArea:
     def stage(self, update_id: str, bucket_json: str, descriptor: dict[str, Any]) -> int:
         """Receive one bucket through its transport and keep its tensors aside; returns the bytes staged."""
         session = self.current(update_id)
-        bucket = Bucket.model_validate_json(bucket_json)
+        try:
+            bucket = Bucket.model_validate_json(bucket_json)
+        except pydantic.ValidationError as exc:
+            raise ValueError(
+                f"malformed bucket description: {exc.error_count()} error(s): {exc.errors()[:3]}"
+            ) from None
+        nbytes = descriptor.get("nbytes") if isinstance(descriptor, dict) else None
+        if not isinstance(nbytes, int) or isinstance(nbytes, bool):
+            got = f"{descriptor!r:.120}"
+            raise ValueError(f"malformed descriptor: expected a dict with an integer 'nbytes', got {got}")
         # Bound everything by the manifest before the transport allocates or reads a byte.
-        problems = bucket_problems(bucket, session.manifest, int(descriptor.get("nbytes", -1)))
+        problems = bucket_problems(bucket, session.manifest, nbytes)
         problems += [f"{e.name!r} was already staged" for e in bucket.entries if e.name in session.staged]
         if problems:
             raise ValueError(f"bucket {bucket.index} refused before receiving: " + "; ".join(problems))
-        buffer, keepalive = engine_side(descriptor)(descriptor, self.owner)
+        try:
+            buffer, keepalive = engine_side(descriptor)(descriptor, self.owner)
+        except (KeyError, TypeError, AttributeError, OverflowError) as exc:
+            name = descriptor.get("transport")
+            raise ValueError(f"malformed {name!r} descriptor: {type(exc).__name__}: {exc}") from None
         tensors = dict(unpack(buffer, bucket, session.manifest))
         bad = session.manifest.digest_mismatches(tensors)
         if bad:

@@ -41,6 +41,8 @@ class WeightTransport(ABC):
 
     #: Registry name; also the ``"transport"`` key of its descriptors.
     name: ClassVar[str]
+    #: Bucket size this transport moves fastest (adapters use it unless given one; capped by free memory).
+    preferred_bucket_bytes: ClassVar[int] = 64 << 20
 
     @abstractmethod
     def send(self, bucket: Bucket, tensors: Mapping[str, torch.Tensor], stage: Stage) -> None:

@@ -20,6 +20,9 @@ class Transport(WeightTransport):
     """Raw bucket bytes in the RPC message."""
 
     name = "bytes"
+    preferred_bucket_bytes = (
+        16 << 20
+    )  # under vLLM's ~24 MB shared-memory message ring; larger messages are copied several times on their way
 
     def send(self, bucket: Bucket, tensors: Mapping[str, torch.Tensor], stage: Stage) -> None:
         data = bytearray(bucket.nbytes)

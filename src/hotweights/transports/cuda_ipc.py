@@ -33,6 +33,7 @@ class Transport(WeightTransport):
     """
 
     name = "cuda_ipc"
+    preferred_bucket_bytes = 256 << 20
 
     def __init__(self, device: str | torch.device | int = "cuda") -> None:
         if not torch.cuda.is_available():

@@ -50,6 +50,8 @@ class Transport(WeightTransport):
     """Same-host transport through shared memory (the default for ``vllm.LLM`` multiprocess engines)."""
 
     name = "shm"
+    # measured: 16-32 MiB buckets installed ~2x faster than 512 MiB ones (new shm pages are costly to fill at once)
+    preferred_bucket_bytes = 32 << 20
 
     def __init__(self) -> None:
         # Segments of senders that died mid-transfer (SIGKILL skips every cleanup) go first.
