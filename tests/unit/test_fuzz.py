@@ -680,6 +680,8 @@ def _bucket_verdict(
     produces them). A bucket with neither must be accepted."""
     hard: list[str] = []
     soft: list[str] = []
+    if not entries:
+        hard.append("a bucket with no tensors")
     if not desc_nbytes == bucket_nbytes == len(data):
         hard.append(f"sizes: descriptor {desc_nbytes}, bucket {bucket_nbytes}, data {len(data)}")
     seen: set[str] = set()

@@ -4,18 +4,18 @@ from __future__ import annotations
 
 from typing import Any
 
-from hotweights.adapters.base import Items, PrefixCachePolicy, WeightInstallAdapter
+from hotweights.adapters._vllm import VLLMEngineAdapter
+from hotweights.adapters.base import Items, PrefixCachePolicy
 from hotweights.core.errors import EngineNotSupportedError
 from hotweights.core.manifest import ExpectedWeights, WeightUpdateManifest
 from hotweights.core.report import PhaseTimer
 from hotweights.engine import compat
 from hotweights.engine.direct import DirectPlan, ParamSlot, apply_direct, describe_model, plan_direct
-from hotweights.engine.expected import expected_weights
 
 __all__ = ["VLLMDirectSetterAdapter"]
 
 
-class VLLMDirectSetterAdapter(WeightInstallAdapter):
+class VLLMDirectSetterAdapter(VLLMEngineAdapter):
     """Copies checkpoint-format tensors into the engine's own parameters, in place.
 
     Checkpoint names are mapped to vLLM parameters from the model's metadata (``packed_modules_mapping``, fused
@@ -53,12 +53,12 @@ class VLLMDirectSetterAdapter(WeightInstallAdapter):
                 "VLLMMultiprocessAdapter(llm, install_method='direct')."
             )
         super().__init__(
-            expected=expected if expected is not None else expected_weights(llm),
+            llm,
+            expected=expected,
             prefix_cache=prefix_cache,
             lock_timeout=lock_timeout,
-            gate=compat.serving_gate(llm) if guard_generation else None,
+            guard_generation=guard_generation,
         )
-        self.llm = llm
         self.model = compat.inprocess_model(llm)
         self._slots: dict[str, ParamSlot] | None = None
 
@@ -80,15 +80,4 @@ class VLLMDirectSetterAdapter(WeightInstallAdapter):
         with timer("install"):
             self._may_have_written = True
             apply_direct(self.model, plan, dict(items))
-        return {"digests_verified": sum(manifest.tensors[n].digest is not None for n, _ in items)}
-
-    def _reset_prefix_cache(self) -> bool:
-        return compat.reset_prefix_cache(self.llm)
-
-    def _record_engine_version(self, version: str) -> str | None:
-        return compat.set_engine_weight_version(self.llm, version)
-
-    def _recover(self) -> str:
-        zeroed = compat.clear_kv_cache_inprocess(self.llm)
-        compat.reset_prefix_cache(self.llm)
-        return f"the prefix cache was reset and {zeroed} KV-cache tensors zeroed"
+        return self._digests(manifest)

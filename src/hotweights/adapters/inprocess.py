@@ -4,17 +4,17 @@ from __future__ import annotations
 
 from typing import Any
 
-from hotweights.adapters.base import Items, PrefixCachePolicy, WeightInstallAdapter
+from hotweights.adapters._vllm import VLLMEngineAdapter
+from hotweights.adapters.base import Items, PrefixCachePolicy
 from hotweights.core.errors import EngineNotSupportedError
 from hotweights.core.manifest import ExpectedWeights, WeightUpdateManifest
 from hotweights.core.report import PhaseTimer
 from hotweights.engine import compat
-from hotweights.engine.expected import expected_weights
 
 __all__ = ["VLLMInProcessWeightReloadAdapter"]
 
 
-class VLLMInProcessWeightReloadAdapter(WeightInstallAdapter):
+class VLLMInProcessWeightReloadAdapter(VLLMEngineAdapter):
     """Installs checkpoint-format tensors into an in-process ``vllm.LLM`` with one layerwise reload.
 
     The engine must run in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``): tensors are then handed over by
@@ -58,27 +58,16 @@ class VLLMInProcessWeightReloadAdapter(WeightInstallAdapter):
                 "hotweights.install(llm, ...) to pick an adapter that fits."
             )
         super().__init__(
-            expected=expected if expected is not None else expected_weights(llm),
+            llm,
+            expected=expected,
             prefix_cache=prefix_cache,
             lock_timeout=lock_timeout,
-            gate=compat.serving_gate(llm) if guard_generation else None,
+            guard_generation=guard_generation,
         )
-        self.llm = llm
         self.rpc_timeout = rpc_timeout
 
     def _install(self, manifest: WeightUpdateManifest, items: Items, timer: PhaseTimer) -> dict[str, int]:
         with timer("install"):
             self._may_have_written = True
             compat.reload_weights(self.llm, items, timeout=self.rpc_timeout)
-        return {"digests_verified": sum(manifest.tensors[n].digest is not None for n, _ in items)}
-
-    def _recover(self) -> str:
-        zeroed = compat.clear_kv_cache_inprocess(self.llm)
-        compat.reset_prefix_cache(self.llm)
-        return f"the prefix cache was reset and {zeroed} KV-cache tensors zeroed"
-
-    def _reset_prefix_cache(self) -> bool:
-        return compat.reset_prefix_cache(self.llm)
-
-    def _record_engine_version(self, version: str) -> str | None:
-        return compat.set_engine_weight_version(self.llm, version)
+        return self._digests(manifest)

@@ -5,19 +5,19 @@ from __future__ import annotations
 import contextlib
 from typing import Any
 
-from hotweights.adapters.base import Items, PrefixCachePolicy, WeightInstallAdapter
-from hotweights.core.buckets import default_bucket_bytes, plan_buckets
+from hotweights.adapters._vllm import VLLMTransportAdapter
+from hotweights.adapters.base import Items, PrefixCachePolicy
+from hotweights.core.buckets import Bucket
 from hotweights.core.errors import EngineNotSupportedError
 from hotweights.core.manifest import ExpectedWeights, WeightUpdateManifest
 from hotweights.core.report import PhaseTimer
 from hotweights.engine import compat
-from hotweights.engine.expected import expected_weights
-from hotweights.transports import Descriptor, WeightTransport, make_transport
+from hotweights.transports import Descriptor, WeightTransport
 
 __all__ = ["VLLMMultiprocessAdapter"]
 
 
-class VLLMMultiprocessAdapter(WeightInstallAdapter):
+class VLLMMultiprocessAdapter(VLLMTransportAdapter):
     """Installs into an engine started with ``worker_extension_cls=hotweights.WORKER_EXTENSION``.
 
     The update is cut into buckets; each bucket goes through the transport and is staged by every worker with one
@@ -43,7 +43,6 @@ class VLLMMultiprocessAdapter(WeightInstallAdapter):
     """
 
     name = "multiprocess"
-    verifies_digests_locally = False  # the workers verify after transit
 
     def __init__(
         self,
@@ -60,83 +59,53 @@ class VLLMMultiprocessAdapter(WeightInstallAdapter):
     ) -> None:
         if install_method not in ("reload", "direct"):
             raise ValueError(f"install_method must be 'reload' or 'direct', not {install_method!r}")
-        if bucket_bytes is not None and bucket_bytes <= 0:
-            raise ValueError(f"bucket_bytes must be positive (or None for the default), got {bucket_bytes}")
         if compat.worker_extension(llm) != compat.WORKER_EXTENSION:
+            inprocess = compat.engine_mode(llm) == "inprocess"
             raise EngineNotSupportedError(
                 "this engine was not started with hotweights' worker extension, so its workers cannot receive "
                 f"weights; start it with LLM(..., worker_extension_cls={compat.WORKER_EXTENSION!r})"
                 + (
                     " (it runs in this process: VLLMInProcessWeightReloadAdapter needs no extension)"
-                    if compat.engine_mode(llm) == "inprocess"
+                    if inprocess
                     else ""
                 )
             )
+        self.install_method = install_method
         super().__init__(
-            expected=expected if expected is not None else expected_weights(llm),
+            llm,
+            transport=transport,
+            bucket_bytes=bucket_bytes,
+            rpc_timeout=rpc_timeout,
+            expected=expected,
             prefix_cache=prefix_cache,
             lock_timeout=lock_timeout,
-            gate=compat.serving_gate(llm) if guard_generation else None,
+            guard_generation=guard_generation,
         )
-        self.llm = llm
-        self.transport = make_transport(transport) if isinstance(transport, str) else transport
-        self.bucket_bytes = bucket_bytes
-        self.install_method = install_method
-        self.rpc_timeout = rpc_timeout
-        self.transport.connect(self)
 
     @property
     def label(self) -> str:
         method = "" if self.install_method == "reload" else f"-{self.install_method}"
-        return f"{self.name}-{self.transport.name}{method}"
-
-    # EngineLink, for transports that set up state with the workers
-    @property
-    def num_workers(self) -> int:
-        return compat.num_workers(self.llm)
-
-    def call(self, method: str, *args: Any) -> list[Any]:
-        return compat.rpc(self.llm, method, *args, timeout=self.rpc_timeout)
-
-    _rpc = call
+        return f"{super().label}{method}"
 
     def _install(self, manifest: WeightUpdateManifest, items: Items, timer: PhaseTimer) -> dict[str, int]:
         tensors = dict(items)
-        sent = manifest.model_copy(update={"tensors": {n: manifest.tensors[n] for n in tensors}})
-        buckets = plan_buckets(sent, self._bucket_bytes())
+        sent = self._sent_manifest(manifest, tensors)
+
+        def stage(bucket: Bucket, descriptor: Descriptor) -> None:
+            self.call("hotweights_stage", sent.update_id, bucket.model_dump_json(), descriptor)
+
         with timer("begin"):
-            self._rpc("hotweights_begin", sent.to_json())
+            self.call("hotweights_begin", sent.to_json())
         try:
-            with timer("transfer"):
-                for bucket in buckets:
-                    bucket_json = bucket.model_dump_json()
-
-                    def stage(descriptor: Descriptor, bucket_json: str = bucket_json) -> None:
-                        self._rpc("hotweights_stage", sent.update_id, bucket_json, descriptor)
-
-                    self.transport.send(bucket, tensors, stage)
+            self._send_buckets(sent, tensors, timer, stage)
             with timer("install"):
                 self._may_have_written = True
-                summaries = self._rpc("hotweights_finish", sent.update_id, self.install_method)
+                summaries = self.call("hotweights_finish", sent.update_id, self.install_method)
         except BaseException:
             with contextlib.suppress(Exception):
                 compat.rpc(self.llm, "hotweights_abort", sent.update_id, timeout=30.0)
             raise
         return {"digests_verified": min(int(s.get("digests_verified", 0)) for s in summaries)}
 
-    def _recover(self) -> str:
-        zeroed = sum(compat.rpc(self.llm, "hotweights_clear_kv_cache", timeout=self.rpc_timeout))
-        compat.reset_prefix_cache(self.llm)
-        return f"the prefix cache was reset and {zeroed} KV-cache tensors zeroed"
-
-    def _bucket_bytes(self) -> int:
-        return self.bucket_bytes or default_bucket_bytes(self.transport.preferred_bucket_bytes)
-
-    def _reset_prefix_cache(self) -> bool:
-        return compat.reset_prefix_cache(self.llm)
-
-    def _record_engine_version(self, version: str) -> str | None:
-        return compat.set_engine_weight_version(self.llm, version)
-
-    def close(self) -> None:
-        self.transport.close()
+    def _clear_kv_cache(self) -> int | None:
+        return sum(int(n) for n in self.call("hotweights_clear_kv_cache"))

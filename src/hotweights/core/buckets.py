@@ -111,6 +111,8 @@ def bucket_problems(bucket: Bucket, manifest: WeightUpdateManifest, size: int) -
     Checked before a receiver allocates or reads anything: a bucket can only claim bytes the manifest accounts for.
     """
     problems = []
+    if not bucket.entries:
+        problems.append("bucket lists no tensors")
     if size != bucket.nbytes:
         problems.append(f"payload has {size} bytes, the bucket declares {bucket.nbytes}")
     end = 0

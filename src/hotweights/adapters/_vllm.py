@@ -1,0 +1,123 @@
+"""What every adapter bound to a ``vllm.LLM`` shares: expected weights, the serving gate, prefix-cache reset,
+version record and recovery; and, for adapters that move buckets through a transport, the bucket loop."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from hotweights.adapters.base import PrefixCachePolicy, WeightInstallAdapter
+from hotweights.core.buckets import Bucket, default_bucket_bytes, plan_buckets
+from hotweights.core.manifest import ExpectedWeights, WeightUpdateManifest
+from hotweights.core.report import PhaseTimer
+from hotweights.engine import compat
+from hotweights.engine.expected import expected_weights
+from hotweights.transports import Descriptor, WeightTransport, make_transport
+
+__all__ = ["VLLMEngineAdapter", "VLLMTransportAdapter"]
+
+
+class VLLMEngineAdapter(WeightInstallAdapter):
+    """Base of the adapters that install into a ``vllm.LLM``."""
+
+    def __init__(
+        self,
+        llm: Any,
+        *,
+        expected: ExpectedWeights | None,
+        prefix_cache: PrefixCachePolicy,
+        lock_timeout: float | None,
+        guard_generation: bool,
+    ) -> None:
+        super().__init__(
+            expected=expected if expected is not None else expected_weights(llm),
+            prefix_cache=prefix_cache,
+            lock_timeout=lock_timeout,
+            gate=compat.serving_gate(llm) if guard_generation else None,
+        )
+        self.llm = llm
+
+    def _reset_prefix_cache(self) -> bool:
+        return compat.reset_prefix_cache(self.llm)
+
+    def _record_engine_version(self, version: str) -> str | None:
+        return compat.set_engine_weight_version(self.llm, version)
+
+    def _clear_kv_cache(self) -> int | None:
+        """Zero the KV cache; the number of tensors zeroed, or None where it cannot be reached."""
+        return compat.clear_kv_cache_inprocess(self.llm)
+
+    def _recover(self) -> str:
+        zeroed = self._clear_kv_cache()
+        compat.reset_prefix_cache(self.llm)
+        if zeroed is None:
+            return "the prefix cache was reset (the KV cache cannot be reached from here)"
+        return f"the prefix cache was reset and {zeroed} KV-cache tensors zeroed"
+
+    @staticmethod
+    def _digests(manifest: WeightUpdateManifest) -> dict[str, int]:
+        return {"digests_verified": sum(s.digest is not None for s in manifest.tensors.values())}
+
+
+class VLLMTransportAdapter(VLLMEngineAdapter):
+    """Base of the adapters that move buckets through a :class:`WeightTransport` to a multiprocess engine.
+
+    It is also the :class:`~hotweights.transports.EngineLink` its transport connects through.
+    """
+
+    verifies_digests_locally = False  # the engine side verifies after transit
+
+    def __init__(
+        self,
+        llm: Any,
+        *,
+        transport: str | WeightTransport,
+        bucket_bytes: int | None,
+        rpc_timeout: float | None,
+        **common: Any,
+    ) -> None:
+        if bucket_bytes is not None and bucket_bytes <= 0:
+            raise ValueError(f"bucket_bytes must be positive (or None for the default), got {bucket_bytes}")
+        super().__init__(llm, **common)
+        self.transport = make_transport(transport) if isinstance(transport, str) else transport
+        self.bucket_bytes = bucket_bytes
+        self.rpc_timeout = rpc_timeout
+        self.transport.connect(self)
+
+    @property
+    def label(self) -> str:
+        return f"{self.name}-{self.transport.name}"
+
+    @property
+    def num_workers(self) -> int:
+        return compat.num_workers(self.llm)
+
+    def call(self, method: str, *args: Any) -> list[Any]:
+        return compat.rpc(self.llm, method, *args, timeout=self.rpc_timeout)
+
+    @staticmethod
+    def _sent_manifest(manifest: WeightUpdateManifest, tensors: Mapping[str, torch.Tensor]) -> WeightUpdateManifest:
+        """The manifest of what is actually sent (tensors the engine ignores are left out)."""
+        return manifest.model_copy(update={"tensors": {n: manifest.tensors[n] for n in tensors}})
+
+    def _send_buckets(
+        self,
+        manifest: WeightUpdateManifest,
+        tensors: Mapping[str, torch.Tensor],
+        timer: PhaseTimer,
+        stage: Callable[[Bucket, Descriptor], None],
+    ) -> None:
+        """Every bucket of ``manifest`` through the transport; ``stage(bucket, descriptor)`` hands one over."""
+        size = self.bucket_bytes or default_bucket_bytes(self.transport.preferred_bucket_bytes)
+        with timer("transfer"):
+            for bucket in plan_buckets(manifest, size):
+
+                def deliver(descriptor: Descriptor, bucket: Bucket = bucket) -> None:
+                    stage(bucket, descriptor)
+
+                self.transport.send(bucket, tensors, deliver)
+
+    def close(self) -> None:
+        self.transport.close()
