@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -78,5 +81,33 @@ def test_send_before_connect_refused() -> None:
         coll.Transport().send(plan_buckets(manifest)[0], {"a": torch.zeros(2)}, lambda d: None)
 
 
-def test_store_binds_loopback_by_default() -> None:
-    assert coll.Transport().host == "127.0.0.1"
+def _listening_addresses() -> set[str]:
+    """Local addresses of this process's listening TCP sockets (from /proc: no tools needed)."""
+    inodes = set()
+    for fd in Path("/proc/self/fd").iterdir():
+        with contextlib.suppress(OSError):
+            target = os.readlink(fd)
+            if target.startswith("socket:["):
+                inodes.add(target[8:-1])
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            cols = line.split()
+            if cols[3] == "0A" and cols[9] in inodes:  # LISTEN
+                found.add(cols[1].split(":")[0])
+    return found
+
+
+def test_everything_listens_on_loopback_only() -> None:
+    transport = coll.Transport(timeout=10)
+    assert transport.host == "127.0.0.1"
+    engine = ThreadEngine()
+    transport.connect(engine)
+    try:
+        addresses = _listening_addresses()
+        assert addresses, "the rendezvous store should be listening"
+        assert addresses <= {"0100007F", "00000000000000000000000001000000", "0000000000000000FFFF00000100007F"}, (
+            f"a socket listens beyond loopback: {addresses}"
+        )
+    finally:
+        transport.close()

@@ -9,6 +9,7 @@ that crashed and came back) replaces the workers' stale group first.
 from __future__ import annotations
 
 import datetime
+import socket
 import threading
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -100,8 +101,14 @@ class Transport(WeightTransport):
         self.close()
         world = 1 + engine.num_workers
         td = datetime.timedelta(seconds=self.timeout)
-        self._store = dist.TCPStore(self.host, self.port, world, is_master=True, timeout=td, wait_for_workers=False)
-        port = self._store.port
+        # TCPStore alone listens on every interface whatever its host: hand it a socket bound to ``host`` (it takes
+        # ownership of the descriptor and closes it with the store).
+        listener = socket.create_server((self.host, self.port), backlog=64)
+        port = listener.getsockname()[1]
+        self._store = dist.TCPStore(
+            self.host, port, world, is_master=True, timeout=td, wait_for_workers=False,
+            master_listen_fd=listener.detach(),
+        )  # fmt: skip
         init = threading.Thread(
             target=lambda: engine.call(
                 "hotweights_init_communicator", self.host, port, world, self.backend, self.timeout
