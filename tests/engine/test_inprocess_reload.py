@@ -17,6 +17,7 @@ from hotweights import (
     WeightManifestValidationError,
     WeightUpdateManifest,
 )
+from hotweights.engine import compat
 
 from .conftest import PROMPTS, TinyCheckpoint, Variant, greedy_vllm, start_engine, stop_engine
 
@@ -215,3 +216,28 @@ def test_install_never_overlaps_generation(engine: Engine) -> None:
         worker.join(120)
     assert not errors, errors
     assert {"a" if r == engine.a.fresh else "b" if r == engine.b.fresh else "mixed" for r in results} == {"a", "b"}
+
+
+def test_failure_after_a_partial_write_clears_kv_cache_and_next_install_heals(
+    engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A reload that dies after writing half a layer (q without k/v: uninitialised shards, NaN-prone): the error
+    says so, the KV cache is zeroed and the prefix cache reset, and the next full install serves B exactly."""
+    engine.install(engine.a)
+    greedy_vllm(engine.llm)  # fill KV blocks
+    real = compat.reload_weights
+
+    def dies_halfway(llm: Any, items: Any, timeout: float | None = None) -> None:
+        real(llm, [(n, t) for n, t in items if ".k_proj." not in n and ".v_proj." not in n], timeout)
+        raise RuntimeError("worker died after writing some layers")
+
+    monkeypatch.setattr(compat, "reload_weights", dies_halfway)
+    version = engine.adapter.active_weight_version
+    with pytest.raises(hotweights.InstallError, match=r"Some layers may hold new weights; .* KV-cache tensors zeroed"):
+        engine.install(engine.b)
+    assert engine.adapter.active_weight_version == version
+    runner = engine.llm.llm_engine.model_executor.driver_worker.worker.model_runner
+    assert runner.kv_caches and all(not t.any() for t in runner.kv_caches)  # zeroed, NaNs included
+    monkeypatch.undo()
+    engine.install(engine.b)
+    assert greedy_vllm(engine.llm) == engine.b.fresh

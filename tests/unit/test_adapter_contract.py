@@ -269,7 +269,7 @@ def test_engine_exception_becomes_install_error() -> None:
     msg = str(err)
     assert "update u-2 (v2)" in msg
     assert "RuntimeError: CUDA exploded" in msg
-    assert "v1 keeps serving" in msg
+    assert "Still serving: v1." in msg
     assert adapter.active_weight_version == 1
     assert adapter.reset_calls == 1  # only the first install's
     assert adapter.recorded_versions == ["1"]
@@ -280,7 +280,7 @@ def test_failure_after_writing_recovers_and_says_so() -> None:
         recovered = 0
 
         def _install(self, manifest, items, timer):  # type: ignore[no-untyped-def]
-            self._may_have_written = True
+            self._begin_writing(timer)
             raise RuntimeError("reload died in layer 3")
 
         def _recover(self) -> str:

@@ -8,6 +8,7 @@ implement the underscore hooks.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
@@ -79,6 +80,7 @@ class WeightInstallAdapter(ABC):
         self._may_have_written = False
         self.gate = gate
         """Held alone from the first write to the prefix-cache reset, so no generation call sees a mix."""
+        self._writing = ExitStack()
 
     @property
     def label(self) -> str:
@@ -118,24 +120,34 @@ class WeightInstallAdapter(ABC):
         with timer("validate"):
             send, skipped = self._validate(manifest, items, force)
         self._may_have_written = False
-        with ExitStack() as exclusive:
-            if self.gate is not None:
-                with timer("wait_generation"):
-                    exclusive.enter_context(self.gate.installing(self.lock_timeout))
+        with ExitStack() as self._writing:  # holds the gate from the first write until the cache is reset
             return self._commit(manifest, send, skipped, timer)
+
+    def _begin_writing(self, timer: PhaseTimer) -> None:
+        """Called by an adapter right before its first step that can change live weights: waits for running
+        generation calls (holding new ones off until the install is done) and arms recovery."""
+        if self.gate is not None and not self._may_have_written:
+            with timer("wait_generation"):
+                self._writing.enter_context(self.gate.installing(self.lock_timeout))
+        self._may_have_written = True
 
     def _commit(
         self, manifest: WeightUpdateManifest, send: Items, skipped: list[tuple[str, str]], timer: PhaseTimer
     ) -> InstallReport:
         try:
             summary = self._install(manifest, send, timer) or {}
-        except Exception as exc:
+        except BaseException as exc:
+            if not isinstance(exc, Exception):  # KeyboardInterrupt & co.: recover if needed, keep the interrupt
+                if self._may_have_written:
+                    with contextlib.suppress(Exception):
+                        self._recover()
+                raise
             if not self._may_have_written:
                 if isinstance(exc, HotWeightsError):
                     raise
                 raise InstallError(
                     f"update {manifest.update_id} (v{manifest.weight_version}) failed before the model was touched: "
-                    f"{type(exc).__name__}: {exc}. {self._serving()} keeps serving; fix the cause and install again."
+                    f"{type(exc).__name__}: {exc}. Still serving: {self._serving()}. Fix the cause and install again."
                 ) from exc
             try:
                 cleared = self._recover()
@@ -205,8 +217,9 @@ class WeightInstallAdapter(ABC):
     def _install(self, manifest: WeightUpdateManifest, items: Items, timer: PhaseTimer) -> dict[str, int] | None:
         """Write validated tensors into the engine; time sub-phases with ``timer``.
 
-        Set ``self._may_have_written = True`` right before the first step that can change live weights, so a
-        failure after it triggers :meth:`_recover`. May return counters for the report (``digests_verified``).
+        Call :meth:`_begin_writing` right before the first step that can change live weights: it takes the serving
+        gate, and a failure after it triggers :meth:`_recover`. May return counters for the report
+        (``digests_verified``).
         """
 
     def _recover(self) -> str:

@@ -22,7 +22,8 @@ class VLLMDirectSetterAdapter(VLLMEngineAdapter):
     layers' head counts and output sizes, vocab padding, tensor-parallel rank, LoRA ``base_layer``): q/k/v land in
     their ``qkv_proj`` slices, gate/up in ``gate_up_proj``. :meth:`plan` is a dry run; an update that cannot be
     placed entirely is refused before the first copy. Parameters are written in place; layers that vLLM repacked on
-    CPU (0-element parameters) are rebuilt from a full weight and re-processed, which needs all their fused parts.
+    CPU (0-element parameters) are rebuilt from a full weight and re-processed. A fused parameter is written only
+    with all its parts (q, k and v; gate and up) in the same update.
 
     Args:
         llm: an in-process ``vllm.LLM`` (``VLLM_ENABLE_V1_MULTIPROCESSING=0``); for multiprocess engines use
@@ -67,7 +68,7 @@ class VLLMDirectSetterAdapter(VLLMEngineAdapter):
 
         Raises:
             WeightManifestValidationError: listing every tensor with no parameter, a wrong shape, or a repacked
-                parameter that would get only some of its fused parts.
+                fused parameter that would get only some of its parts.
         """
         if self._slots is None:
             self._slots = describe_model(self.model)
@@ -77,7 +78,7 @@ class VLLMDirectSetterAdapter(VLLMEngineAdapter):
     def _install(self, manifest: WeightUpdateManifest, items: Items, timer: PhaseTimer) -> dict[str, int]:
         with timer("plan"):
             plan = self.plan(manifest)
+        self._begin_writing(timer)
         with timer("install"):
-            self._may_have_written = True
             apply_direct(self.model, plan, dict(items))
         return self._digests(manifest)

@@ -67,7 +67,7 @@ class VLLMInProcessWeightReloadAdapter(VLLMEngineAdapter):
         self.rpc_timeout = rpc_timeout
 
     def _install(self, manifest: WeightUpdateManifest, items: Items, timer: PhaseTimer) -> dict[str, int]:
+        self._begin_writing(timer)
         with timer("install"):
-            self._may_have_written = True
             compat.reload_weights(self.llm, items, timeout=self.rpc_timeout)
         return self._digests(manifest)

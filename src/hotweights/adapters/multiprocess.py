@@ -98,8 +98,8 @@ class VLLMMultiprocessAdapter(VLLMTransportAdapter):
             self.call("hotweights_begin", sent.to_json())
         try:
             self._send_buckets(sent, tensors, timer, stage)
+            self._begin_writing(timer)
             with timer("install"):
-                self._may_have_written = True
                 summaries = self.call("hotweights_finish", sent.update_id, self.install_method)
         except BaseException:
             with contextlib.suppress(Exception):

@@ -91,8 +91,8 @@ class VLLMWeightTransferAdapter(VLLMTransportAdapter):
             self._rpc("start_weight_update")
         try:
             self._send_buckets(sent, tensors, timer, stage)
+            self._begin_writing(timer)
             with timer("install"):
-                self._may_have_written = True
                 self._rpc("finish_weight_update")
         except BaseException:
             if not self._may_have_written:  # drop what was staged, then close vLLM's session: the model is untouched

@@ -5,7 +5,8 @@ checkpoint modules are fused into which vLLM module), the fused layers' head cou
 padding, tensor-parallel rank/size, and LoRA wrappers (``base_layer``). :func:`plan_direct` computes every copy
 before the first one runs; :func:`apply_direct` then copies slices in place (no reallocation, so captured pointers
 stay valid). Layers whose weight vLLM repacked on CPU (a 0-element parameter, the data living in a oneDNN handle)
-are rebuilt from a full weight and re-processed, and only when every fused part of them is in the update.
+are rebuilt from a full weight and re-processed. A fused parameter is only written with all its parts in the update
+(a q without its k and v is refused: vLLM's own reload would leave the other shards uninitialised).
 """
 
 from __future__ import annotations
@@ -139,7 +140,7 @@ def plan_direct(
 
     Raises:
         WeightManifestValidationError: a name has no parameter, a placement does not fit the parameter, or a
-            repacked (0-element) parameter would receive only some of its fused parts.
+            fused parameter would receive only some of its parts.
     """
     plan, problems = DirectPlan(skipped=dict(ignored or {})), []
     covered: dict[str, set[str | int | None]] = {}
@@ -223,5 +224,16 @@ def apply_direct(model: torch.nn.Module, plan: DirectPlan, tensors: Mapping[str,
 
 
 def _needs_reprocessing(modules: Iterable[torch.nn.Module]) -> list[Any]:
-    """Layers holding state derived from their weight (vLLM's CPU GEMM dispatch): rebuilt from the new weight."""
-    return [m for m in modules if hasattr(m, "cpu_linear") and getattr(m, "quant_method", None) is not None]
+    """Layers holding state derived from their weight (vLLM's CPU GEMM dispatch): rebuilt from the new weight.
+
+    An input embedding is skipped: its forward is a plain lookup, and the packed copy vLLM makes of it is only read
+    through an LM head (which is re-processed itself, or as a tied borrower by :func:`refresh_tied_layers`).
+    """
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+
+    def derived(m: torch.nn.Module) -> bool:
+        if isinstance(m, VocabParallelEmbedding) and not isinstance(m, ParallelLMHead):
+            return False
+        return hasattr(m, "cpu_linear") and getattr(m, "quant_method", None) is not None
+
+    return [m for m in modules if derived(m)]

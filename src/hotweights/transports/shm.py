@@ -12,6 +12,7 @@ import atexit
 import mmap
 import os
 import re
+import time
 import uuid
 from collections.abc import Mapping
 from pathlib import Path
@@ -35,12 +36,20 @@ def _unlink_live() -> None:
         path.unlink(missing_ok=True)
 
 
-def sweep_stale(directory: Path = SHM_DIR) -> list[Path]:
-    """Remove segments left by dead processes (name ``hotweights-<pid>-...``); returns what was removed."""
+def sweep_stale(directory: Path = SHM_DIR, min_age: float = 0.0) -> list[Path]:
+    """Remove this user's segments left by dead processes (name ``hotweights-<pid>-...``, pid gone) that are at
+    least ``min_age`` seconds old; returns what was removed."""
     removed = []
+    now = time.time()
     for path in directory.glob(f"{_PREFIX}*"):
         m = re.match(rf"{_PREFIX}(\d+)-", path.name)
-        if m and not Path(f"/proc/{m.group(1)}").exists():
+        if not m or Path(f"/proc/{m.group(1)}").exists():
+            continue
+        try:
+            st = path.lstat()
+        except FileNotFoundError:
+            continue
+        if st.st_uid == os.getuid() and now - st.st_mtime >= min_age:
             path.unlink(missing_ok=True)
             removed.append(path)
     return removed
@@ -54,8 +63,9 @@ class Transport(WeightTransport):
     preferred_bucket_bytes = 32 << 20
 
     def __init__(self) -> None:
-        # Segments of senders that died mid-transfer (SIGKILL skips every cleanup) go first.
-        sweep_stale()
+        # Segments of senders that died mid-transfer (SIGKILL skips every cleanup) go first; the age margin spares
+        # a live sender whose pid this process cannot see (another PID namespace sharing /dev/shm).
+        sweep_stale(min_age=60.0)
 
     def send(self, bucket: Bucket, tensors: Mapping[str, torch.Tensor], stage: Stage) -> None:
         path = SHM_DIR / f"{_PREFIX}{os.getpid()}-{uuid.uuid4().hex}"
