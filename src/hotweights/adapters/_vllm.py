@@ -91,6 +91,11 @@ class VLLMTransportAdapter(VLLMEngineAdapter):
         return f"{self.name}-{self.transport.name}"
 
     @property
+    def bucket_size(self) -> int:
+        """Bytes per bucket: ``bucket_bytes``, or the transport's preferred size capped by free memory."""
+        return self.bucket_bytes or default_bucket_bytes(self.transport.preferred_bucket_bytes)
+
+    @property
     def num_workers(self) -> int:
         return compat.num_workers(self.llm)
 
@@ -110,9 +115,8 @@ class VLLMTransportAdapter(VLLMEngineAdapter):
         stage: Callable[[Bucket, Descriptor], None],
     ) -> None:
         """Every bucket of ``manifest`` through the transport; ``stage(bucket, descriptor)`` hands one over."""
-        size = self.bucket_bytes or default_bucket_bytes(self.transport.preferred_bucket_bytes)
         with timer("transfer"):
-            for bucket in plan_buckets(manifest, size):
+            for bucket in plan_buckets(manifest, self.bucket_size):
 
                 def deliver(descriptor: Descriptor, bucket: Bucket = bucket) -> None:
                     stage(bucket, descriptor)
