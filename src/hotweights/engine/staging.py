@@ -93,11 +93,10 @@ class StagingArea:
     def take(self, update_id: str) -> tuple[list[tuple[str, torch.Tensor]], InstallSession]:
         """Every staged tensor in manifest order, closing the session; raises if any never arrived."""
         session = self.current(update_id)
+        self.session = None  # taken or refused, the session ends here
         missing = [n for n in session.manifest.tensors if n not in session.staged]
         if missing:
-            self.session = None
             raise ValueError(f"update {update_id} is incomplete: {len(missing)} tensors never arrived: {missing[:5]}")
-        self.session = None
         return [(n, session.staged[n]) for n in session.manifest.tensors], session
 
     def abort(self, update_id: str | None = None) -> bool:
