@@ -54,8 +54,6 @@ MODELS: dict[str, dict[str, dict[str, Any]]] = {
     },
     "many": {"full": {"layers": 24}, "tiny": {"layers": 6}},  # hidden 128, 12 tensors per layer
 }
-#: Second bucket size for the memory measurement.
-SMALL_BUCKET = 64 << 20
 IN_PROCESS, PER_TENSOR = "in-process adapter", "per-tensor RPC loop (bytes, bucket 1 B)"
 
 
@@ -176,12 +174,13 @@ def report_memory(name: str, adapter: VLLMMultiprocessAdapter, sd: StateDict, ve
     """Print the peak extra memory of one (forced) install of ``sd`` through ``adapter``."""
     manifest = WeightUpdateManifest.from_state_dict(sd, weight_version=version)
     limit = adapter.bucket_size
-    biggest = max(b.nbytes for b in plan_buckets(manifest, limit))
+    buckets = plan_buckets(manifest, limit, whole_layers=adapter.commit == "streaming")
+    biggest = max(b.nbytes for b in buckets)
     mem, n = peak_extra(lambda: adapter.install(manifest, sd, force=True))
     mb = {k: f"{v / 1e6:.1f} MB" for k, v in mem.items()}
     print(
         f"[{name}] peak extra memory during one shm install ({n} samples; bucket limit "
-        f"{limit / 1e6:.1f} MB, {len(plan_buckets(manifest, limit))} bucket(s), largest {biggest / 1e6:.1f} MB): "
+        f"{limit / 1e6:.1f} MB, {len(buckets)} bucket(s), largest {biggest / 1e6:.1f} MB): "
         f"trainer RSS +{mb['trainer_rss']} (anon +{mb['trainer_anon']}, shmem +{mb['trainer_shmem']}), "
         f"engine RSS +{mb['engine_rss']} (anon +{mb['engine_anon']}, shmem +{mb['engine_shmem']}), "
         f"/dev/shm +{mb['shm']}; unique (anon + /dev/shm) +{mb['unique']} = "
@@ -231,13 +230,18 @@ def bench_model(name: str, size: str, repeats: int, tmp: Path) -> tuple[list[Row
         methods: list[tuple[str, str | WeightTransport, int | None, str]] = [
             ("multiprocess shm", shm, None, "reload"),
             ("multiprocess shm, direct setter", "shm", None, "direct"),
+            ("multiprocess shm, streaming", "shm", None, "reload-streaming"),
+            ("multiprocess shm, direct setter, streaming", "shm", None, "direct-streaming"),
             ("multiprocess bytes", "bytes", None, "reload"),
             ("multiprocess collective (gloo)", "collective", None, "reload"),
             (PER_TENSOR, "bytes", 1, "reload"),
         ]
         stages: list[float] = []  # seconds inside shm's stage RPCs, per install
-        for label, transport, bucket, install_method in methods:
-            mp = VLLMMultiprocessAdapter(llm, transport=transport, bucket_bytes=bucket, install_method=install_method)
+        for label, transport, bucket, how in methods:
+            method, _, commit = how.partition("-")
+            mp = VLLMMultiprocessAdapter(
+                llm, transport=transport, bucket_bytes=bucket, install_method=method, commit=commit or "atomic"
+            )
             adapters.append(mp)
             run.adopt(mp)
             first = len(run.reports)
@@ -269,12 +273,16 @@ def bench_model(name: str, size: str, repeats: int, tmp: Path) -> tuple[list[Row
         ok = got == want
         print(f"[{name}] greedy after shm install of B == HF on B: {ok} (vLLM {got}, HF {want})")
 
-        # Memory of one more shm install of B (forced: same version, same weights), at the default bucket size
-        # and, where the update is larger, at 64 MiB: does the peak follow the bucket or the whole update?
-        for limit in [None] + ([SMALL_BUCKET] if nbytes > SMALL_BUCKET else []):
-            mp = shm_adapter if limit is None else VLLMMultiprocessAdapter(llm, transport="shm", bucket_bytes=limit)
-            adapters.append(mp)
-            report_memory(name, mp, pair[1], run.version)
+        # Memory of one more shm install of B (forced: same version, same weights), atomic and streaming, at the
+        # default bucket size and at an eighth of the update: does the peak follow the bucket or the update?
+        for limit in (None, max(1 << 20, nbytes // 8)):
+            for commit in ("atomic", "streaming"):
+                for method in ("reload", "direct"):
+                    mp = VLLMMultiprocessAdapter(
+                        llm, transport="shm", bucket_bytes=limit, commit=commit, install_method=method
+                    )
+                    adapters.append(mp)
+                    report_memory(f"{name}, {commit}, {method}", mp, pair[1], run.version)
         return rows, ok
     finally:
         for mp in adapters:
@@ -319,7 +327,7 @@ def main() -> None:
         ratio = s[model, IN_PROCESS] / s[model, "multiprocess shm"]
         print(f"[{model}] shm GB/s / in-process GB/s = {ratio:.2f} (target >= 0.8)")
     if "many" in checks:
-        for method in ("multiprocess shm", "multiprocess shm, direct setter"):
+        for method in [m for model, m, _, _ in rows if model == "many" and m.startswith("multiprocess shm")]:
             ratio = s["many", PER_TENSOR] / s["many", method]
             print(f"[many] {method} speed / per-tensor RPC loop speed = {ratio:.1f}x (target >= 5x)")
     print(f"total {time.perf_counter() - t0:.1f} s; load average now {os.getloadavg()[0]:.2f}")

@@ -19,6 +19,7 @@ from safetensors.torch import save_file
 
 import hotweights
 from hotweights import (
+    ExpectedWeights,
     InstallError,
     VLLMMultiprocessAdapter,
     WeightManifestValidationError,
@@ -312,3 +313,87 @@ def test_direct_setter_through_the_worker_extension(engine: Engine) -> None:
         report = adapter.install(WeightUpdateManifest.from_state_dict(sd, weight_version=engine.version()), sd)
         assert report.adapter == "multiprocess-shm-direct"
         assert greedy_vllm(engine.llm) == ckpt.fresh
+
+
+# ---------------------------------------------------------------------------------------------- streaming commit
+def _streaming(
+    engine: Engine, transport: str | WeightTransport, method: str = "reload", bucket_bytes: int = SMALL_BUCKET
+) -> VLLMMultiprocessAdapter:
+    adapter = VLLMMultiprocessAdapter(
+        engine.llm, transport=transport, bucket_bytes=bucket_bytes, install_method=method, commit="streaming"
+    )
+    adapter.active_weight_version = engine._version
+    return adapter
+
+
+@pytest.mark.parametrize(
+    ("transport", "method", "bucket_bytes"),
+    [
+        ("shm", "reload", SMALL_BUCKET),  # q, k, v of one layer in different buckets: vLLM buffers the layer
+        ("shm", "reload", 1 << 20),  # whole layers per bucket
+        ("shm", "direct", SMALL_BUCKET),  # the direct stream holds q and k until v arrives
+        ("bytes", "direct", 1 << 20),
+        ("collective", "reload", 1 << 20),
+    ],
+)
+def test_streaming_a_to_b_to_a(engine: Engine, transport: str, method: str, bucket_bytes: int) -> None:
+    for ckpt in (engine.b, engine.a, engine.b):
+        sd = ckpt.state_dict()
+        adapter = _streaming(engine, transport, method, bucket_bytes)
+        report = adapter.install(WeightUpdateManifest.from_state_dict(sd, weight_version=engine.version()), sd)
+        direct = "-direct" if method == "direct" else ""
+        assert report.adapter == f"multiprocess-{transport}{direct}-streaming"
+        assert engine.llm.llm_engine.get_weight_version() == str(report.weight_version)
+        assert greedy_vllm(engine.llm) == ckpt.fresh
+    assert engine.b.fresh == engine.b.hf
+    assert _our_segments() == []
+
+
+def test_streaming_buckets_end_between_layers(engine: Engine) -> None:
+    manifest = WeightUpdateManifest.from_state_dict(engine.b.state_dict(), weight_version=1)
+    buckets = plan_buckets(manifest, 1 << 20, whole_layers=True)
+    layers = [{e.name.split(".")[2] for e in b.entries if e.name.startswith("model.layers.")} for b in buckets]
+    assert len(buckets) > 1
+    for i, a in enumerate(layers):  # no layer index appears in two buckets
+        for b in layers[i + 1 :]:
+            assert not a & b
+
+
+@pytest.mark.parametrize("method", ["reload", "direct"])
+def test_streaming_interrupted_is_reported_and_a_full_install_recovers(engine: Engine, method: str) -> None:
+    engine.install(engine.a, "shm")
+    version = engine._version
+    sd = engine.b.state_dict()
+    dying = CountingTransport("shm", fail_after=5)  # the embedding and part of layer 0 went in; the rest never
+    adapter = _streaming(engine, dying, method)
+    with pytest.raises(InstallError, match="Some layers may hold new weights") as info:
+        adapter.install(WeightUpdateManifest.from_state_dict(sd, weight_version=version + 1), sd)
+    assert isinstance(info.value.__cause__, ConnectionError)
+    assert "Install a full update again" in str(info.value)
+    assert adapter.active_weight_version == version
+    assert engine.llm.llm_engine.get_weight_version() == str(version)
+    assert _our_segments() == []
+    # The half-fed layer was put back, not left on vLLM's meta tensors: the engine still generates.
+    assert len(greedy_vllm(engine.llm)) == len(engine.a.fresh)
+    report = _streaming(engine, "shm", method).install(
+        WeightUpdateManifest.from_state_dict(sd, weight_version=version + 1), sd
+    )
+    engine._version = report.weight_version
+    assert greedy_vllm(engine.llm) == engine.b.fresh
+
+
+def test_streaming_direct_plan_refused_before_anything_moves(engine: Engine) -> None:
+    engine.install(engine.a, "shm")
+    version = engine._version
+    q = "model.layers.0.self_attn.q_proj.weight"
+    sd = {q: engine.b.state_dict()[q]}  # q without its k and v: the fused qkv_proj cannot be written
+    manifest = WeightUpdateManifest.from_state_dict(sd, weight_version=version + 1)
+    counting = CountingTransport("shm")
+    adapter = _streaming(engine, counting, "direct")
+    adapter.expected = ExpectedWeights(manifest.tensors)  # a partial update passes the trainer-side checks
+    with pytest.raises(InstallError, match="before the model was touched") as info:
+        adapter.install(manifest, sd)
+    assert "all fused parts" in str(info.value)
+    assert counting.sends == 0
+    assert greedy_vllm(engine.llm) == engine.a.fresh
+    assert engine.llm.llm_engine.get_weight_version() == str(version)

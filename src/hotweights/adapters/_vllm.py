@@ -113,10 +113,12 @@ class VLLMTransportAdapter(VLLMEngineAdapter):
         tensors: Mapping[str, torch.Tensor],
         timer: PhaseTimer,
         stage: Callable[[Bucket, Descriptor], None],
+        *,
+        whole_layers: bool = False,
     ) -> None:
         """Every bucket of ``manifest`` through the transport; ``stage(bucket, descriptor)`` hands one over."""
         with timer("transfer"):
-            for bucket in plan_buckets(manifest, self.bucket_size):
+            for bucket in plan_buckets(manifest, self.bucket_size, whole_layers=whole_layers):
 
                 def deliver(descriptor: Descriptor, bucket: Bucket = bucket) -> None:
                     stage(bucket, descriptor)

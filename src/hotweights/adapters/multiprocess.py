@@ -22,7 +22,15 @@ class VLLMMultiprocessAdapter(VLLMTransportAdapter):
 
     The update is cut into buckets; each bucket goes through the transport and is staged by every worker with one
     RPC; a final RPC installs everything staged in one layerwise reload. Until then the model is untouched: any
-    failure aborts the session and the previous weights keep serving.
+    failure aborts the session and the previous weights keep serving (``commit="atomic"``, the default). The
+    engine host then holds the whole update once, on top of the model.
+
+    With ``commit="streaming"`` buckets are cut between layers and each one is installed as soon as the workers
+    received it: the extra memory is one bucket (plus a layer whose parts span buckets), not the whole update.
+    Generation waits from the first bucket to the end. Everything that can be checked before the first byte moves
+    still is (names, shapes, dtypes; the direct setter's plan), but a failure *during* the transfer (a dead
+    sender, a digest mismatch in a later bucket) leaves some layers new and some old: the install then raises
+    :class:`InstallError`, the KV cache is zeroed, and a full install must follow before serving.
 
     Args:
         llm: the ``vllm.LLM`` (multiprocess, with the hotweights worker extension).
@@ -31,6 +39,8 @@ class VLLMMultiprocessAdapter(VLLMTransportAdapter):
             available memory).
         install_method: how the workers install what they staged: ``"reload"`` (vLLM's layerwise reload) or
             ``"direct"`` (the direct setter: planned, then copied into the parameters in place).
+        commit: ``"atomic"`` (stage everything, then install: all or nothing) or ``"streaming"`` (install bucket
+            by bucket: memory bounded by the bucket, a failed transfer leaves a partial update).
         expected, prefix_cache, lock_timeout: see :class:`WeightInstallAdapter`.
         guard_generation: wrap this ``LLM``'s generation methods so that an install never overlaps a generation
             call in another thread (the install waits for running calls; new ones wait for the install).
@@ -51,6 +61,7 @@ class VLLMMultiprocessAdapter(VLLMTransportAdapter):
         transport: str | WeightTransport = "shm",
         bucket_bytes: int | None = None,
         install_method: str = "reload",
+        commit: str = "atomic",
         expected: ExpectedWeights | None = None,
         prefix_cache: PrefixCachePolicy = "reset",
         rpc_timeout: float | None = 300.0,
@@ -70,7 +81,10 @@ class VLLMMultiprocessAdapter(VLLMTransportAdapter):
                     else ""
                 )
             )
+        if commit not in ("atomic", "streaming"):
+            raise ValueError(f"commit must be 'atomic' or 'streaming', not {commit!r}")
         self.install_method = install_method
+        self.commit = commit
         super().__init__(
             llm,
             transport=transport,
@@ -85,19 +99,23 @@ class VLLMMultiprocessAdapter(VLLMTransportAdapter):
     @property
     def label(self) -> str:
         method = "" if self.install_method == "reload" else f"-{self.install_method}"
-        return f"{super().label}{method}"
+        commit = "" if self.commit == "atomic" else f"-{self.commit}"
+        return f"{super().label}{method}{commit}"
 
     def _install(self, manifest: WeightUpdateManifest, items: Items, timer: PhaseTimer) -> dict[str, int]:
         tensors = dict(items)
         sent = self._sent_manifest(manifest, tensors)
+        streaming = self.commit == "streaming"
 
         def stage(bucket: Bucket, descriptor: Descriptor) -> None:
+            if streaming:
+                self._begin_writing(timer)  # this bucket goes into the live model
             self.call("hotweights_stage", sent.update_id, bucket.model_dump_json(), descriptor)
 
-        with timer("begin"):
-            self.call("hotweights_begin", sent.to_json())
+        with timer("begin"):  # a streaming direct install is planned here: refused before anything moves
+            self.call("hotweights_begin", sent.to_json(), self.commit, self.install_method)
         try:
-            self._send_buckets(sent, tensors, timer, stage)
+            self._send_buckets(sent, tensors, timer, stage, whole_layers=streaming)
             self._begin_writing(timer)
             with timer("install"):
                 summaries = self.call("hotweights_finish", sent.update_id, self.install_method)

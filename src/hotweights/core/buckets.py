@@ -7,7 +7,7 @@ alone, so both ends agree on it and the engine can check every offset against th
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
@@ -20,6 +20,7 @@ __all__ = [
     "BucketEntry",
     "bucket_problems",
     "default_bucket_bytes",
+    "layer_key",
     "pack_into",
     "plan_buckets",
     "unpack",
@@ -67,11 +68,25 @@ def default_bucket_bytes(preferred: int = MAX_DEFAULT_BUCKET_BYTES) -> int:
     return max(16 << 20, min(cap, free // 8))
 
 
-def plan_buckets(manifest: WeightUpdateManifest, bucket_bytes: int | None = None) -> list[Bucket]:
+def layer_key(name: str) -> str:
+    """The transformer block a checkpoint name belongs to: the prefix through its first numeric component
+    (``model.layers.3.mlp.up_proj.weight`` -> ``model.layers.3``); names outside numbered blocks are their own."""
+    parts = name.split(".")
+    for i, part in enumerate(parts):
+        if part.isdigit():
+            return ".".join(parts[: i + 1])
+    return name
+
+
+def plan_buckets(
+    manifest: WeightUpdateManifest, bucket_bytes: int | None = None, *, whole_layers: bool = False
+) -> list[Bucket]:
     """Greedy, order-preserving cut of the manifest's tensors into buckets of at most ``bucket_bytes``.
 
-    A tensor larger than ``bucket_bytes`` gets a bucket of its own. Tensors of one layer may land in different
-    buckets: the engine stages every bucket and installs once, so a split q/k/v is still correct.
+    A tensor larger than ``bucket_bytes`` gets a bucket of its own. By default tensors of one layer may land in
+    different buckets (the engine stages every bucket and installs once, so a split q/k/v is still correct). With
+    ``whole_layers`` a bucket only ends between blocks (:func:`layer_key`) unless one block alone exceeds
+    ``bucket_bytes``, so an engine that installs bucket by bucket completes whole layers each time.
 
     Example:
         >>> m = WeightUpdateManifest.from_state_dict({"a": torch.zeros(10), "b": torch.zeros(10)}, weight_version=1)
@@ -84,17 +99,46 @@ def plan_buckets(manifest: WeightUpdateManifest, bucket_bytes: int | None = None
     buckets: list[Bucket] = []
     entries: list[BucketEntry] = []
     used = 0
-    for name, spec in manifest.tensors.items():
-        n = spec.expected_nbytes
-        start = _align(used)
-        if entries and start + n > limit:
-            buckets.append(Bucket(index=len(buckets), nbytes=used, entries=tuple(entries)))
-            entries, start = [], 0
-        entries.append(BucketEntry(name=name, offset=start, nbytes=n))
-        used = start + n
-    if entries:
+
+    def close() -> None:
+        nonlocal entries, used
         buckets.append(Bucket(index=len(buckets), nbytes=used, entries=tuple(entries)))
+        entries, used = [], 0
+
+    for group in _groups(manifest, whole_layers):
+        if entries and _align(used) + _span(n for _, n in group) > limit:
+            close()  # the whole block fits in a fresh bucket, or nowhere: never start it at the end of this one
+        for name, n in group:
+            start = _align(used)
+            if entries and start + n > limit:
+                close()
+                start = 0
+            entries.append(BucketEntry(name=name, offset=start, nbytes=n))
+            used = start + n
+    if entries:
+        close()
     return buckets
+
+
+def _groups(manifest: WeightUpdateManifest, whole_layers: bool) -> list[list[tuple[str, int]]]:
+    """Consecutive (name, bytes) runs of one block each (or one tensor each)."""
+    groups: list[list[tuple[str, int]]] = []
+    last = None
+    for name, spec in manifest.tensors.items():
+        key = layer_key(name) if whole_layers else name
+        if not groups or key != last:
+            groups.append([])
+        groups[-1].append((name, spec.expected_nbytes))
+        last = key
+    return groups
+
+
+def _span(sizes: Iterable[int]) -> int:
+    """Bytes a run of tensors occupies packed from offset 0."""
+    used = 0
+    for n in sizes:
+        used = _align(used) + n
+    return used
 
 
 def pack_into(buffer: torch.Tensor, bucket: Bucket, tensors: dict[str, torch.Tensor]) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
+from weakref import WeakKeyDictionary
 
 import torch
 
@@ -22,7 +23,7 @@ from hotweights.core.manifest import TensorSpec
 from hotweights.core.placement import ParamKind, Placement, TargetParam, place
 from hotweights.engine.worker_ops import refresh_tied_layers
 
-__all__ = ["DirectPlan", "ParamSlot", "apply_direct", "describe_model", "plan_direct"]
+__all__ = ["DirectPlan", "ParamSlot", "apply_direct", "describe_model", "model_slots", "plan_direct"]
 
 
 @dataclass(frozen=True)
@@ -122,6 +123,17 @@ def describe_model(model: torch.nn.Module) -> dict[str, ParamSlot]:
     return slots
 
 
+_SLOTS: WeakKeyDictionary[torch.nn.Module, dict[str, ParamSlot]] = WeakKeyDictionary()
+
+
+def model_slots(model: torch.nn.Module) -> dict[str, ParamSlot]:
+    """:func:`describe_model`, computed once per model (its structure does not change between installs)."""
+    slots = _SLOTS.get(model)
+    if slots is None:
+        slots = _SLOTS[model] = describe_model(model)
+    return slots
+
+
 def _full_shape(module: Any, attr: str, param: torch.Tensor, kind: ParamKind, tp: int) -> tuple[int, ...]:
     if kind == "vocab":
         return (int(module.org_vocab_size), *tuple(param.shape[1:]))
@@ -192,15 +204,18 @@ def _fit(p: Placement, slot: ParamSlot, spec: TensorSpec) -> list[Mismatch]:
 
 
 @torch.no_grad()
-def apply_direct(model: torch.nn.Module, plan: DirectPlan, tensors: Mapping[str, torch.Tensor]) -> int:
-    """Run a plan: slice copies into live parameters; rebuild and re-process repacked CPU layers.
+def apply_direct(
+    model: torch.nn.Module, plan: DirectPlan, tensors: Mapping[str, torch.Tensor], *, refresh_tied: bool = True
+) -> int:
+    """Run a plan: slice copies into live parameters; rebuild and re-process repacked CPU layers (and, with
+    ``refresh_tied``, the layers borrowing a tied weight).
 
     Returns the number of layers re-processed.
     """
     rebuilt: dict[str, torch.Tensor] = {}
     touched: dict[str, torch.nn.Module] = {}
     for p, slot in plan.placements:
-        module = model.get_submodule(slot.module_name)
+        module = touched.get(slot.module_name) or model.get_submodule(slot.module_name)
         param = getattr(module, slot.attr)
         key = f"{slot.module_name}.{slot.attr}"
         if param.numel() == 0 and slot.rank_shape and 0 not in slot.rank_shape:
@@ -215,12 +230,12 @@ def apply_direct(model: torch.nn.Module, plan: DirectPlan, tensors: Mapping[str,
         touched[slot.module_name] = module
     for key, weight in rebuilt.items():
         module_name, _, attr = key.rpartition(".")
-        setattr(model.get_submodule(module_name), attr, torch.nn.Parameter(weight, requires_grad=False))
+        setattr(touched[module_name], attr, torch.nn.Parameter(weight, requires_grad=False))
     reprocessed = 0
     for module in _needs_reprocessing(touched.values()):
         module.quant_method.process_weights_after_loading(module)
         reprocessed += 1
-    return reprocessed + refresh_tied_layers(model)
+    return reprocessed + (refresh_tied_layers(model) if refresh_tied else 0)
 
 
 def _needs_reprocessing(modules: Iterable[torch.nn.Module]) -> list[Any]:

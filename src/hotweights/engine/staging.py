@@ -1,14 +1,17 @@
 """Staging of an install on the engine side: buckets are received and checked aside, the model is untouched.
 
 Shared by the worker extension and the vLLM weight-transfer backend: ``begin`` (manifest) -> ``stage`` per
-bucket -> ``take`` (every tensor, in manifest order, only if all arrived) or ``abort``.
+bucket -> ``take`` (every tensor, in manifest order, only if all arrived) or ``abort``. A session opened with a
+:class:`~hotweights.engine.streaming.Stream` hands each checked bucket to it instead of keeping it (``finish``
+then closes the stream).
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pydantic
 import torch
@@ -16,6 +19,9 @@ import torch
 from hotweights.core.buckets import Bucket, bucket_problems, unpack
 from hotweights.core.manifest import WeightUpdateManifest
 from hotweights.transports import engine_side
+
+if TYPE_CHECKING:
+    from hotweights.engine.streaming import Stream
 
 __all__ = ["InstallSession", "StagingArea"]
 
@@ -27,10 +33,16 @@ class InstallSession:
     """What has been staged for one update."""
 
     manifest: WeightUpdateManifest
+    stream: Stream | None = None
+    """Set for a streaming session: checked buckets go to it, nothing is kept in ``staged``."""
     staged: dict[str, torch.Tensor] = field(default_factory=dict)
+    received: set[str] = field(default_factory=set)
     keepalive: list[Any] = field(default_factory=list)
     nbytes: int = 0
     digests_verified: int = 0
+
+    def missing(self) -> list[str]:
+        return [n for n in self.manifest.tensors if n not in self.received]
 
 
 class StagingArea:
@@ -40,12 +52,14 @@ class StagingArea:
         self.owner = owner
         self.session: InstallSession | None = None
 
-    def begin(self, manifest_json: str) -> str:
-        """Open a session; one left open (e.g. by a crashed trainer) is dropped first."""
+    def begin(self, manifest_json: str, stream: Callable[[WeightUpdateManifest], Stream] | None = None) -> str:
+        """Open a session (streaming into ``stream(manifest)`` when given); one left open (e.g. by a crashed
+        trainer) is dropped first."""
         manifest = WeightUpdateManifest.from_json(manifest_json)
         if self.session is not None:
             log.warning("hotweights: dropping unfinished update %s", self.session.manifest.update_id)
-        self.session = InstallSession(manifest)
+            self.abort()
+        self.session = InstallSession(manifest, stream=stream(manifest) if stream is not None else None)
         return manifest.update_id
 
     def current(self, update_id: str) -> InstallSession:
@@ -70,7 +84,7 @@ class StagingArea:
             raise ValueError(f"malformed descriptor: expected a dict with an integer 'nbytes', got {got}")
         # Bound everything by the manifest before the transport allocates or reads a byte.
         problems = bucket_problems(bucket, session.manifest, nbytes)
-        problems += [f"{e.name!r} was already staged" for e in bucket.entries if e.name in session.staged]
+        problems += [f"{e.name!r} was already staged" for e in bucket.entries if e.name in session.received]
         if problems:
             raise ValueError(f"bucket {bucket.index} refused before receiving: " + "; ".join(problems))
         try:
@@ -85,23 +99,47 @@ class StagingArea:
                 f"bucket {bucket.index}: digest mismatch (bytes changed in transit) for {[m.name for m in bad][:5]}"
             )
         session.digests_verified += sum(session.manifest.tensors[n].digest is not None for n in tensors)
-        session.staged.update(tensors)
-        session.keepalive.append(keepalive)
+        session.received.update(tensors)
         session.nbytes += bucket.nbytes
+        if session.stream is not None:
+            session.stream.feed(tensors)  # views keep the bucket alive only while a layer still needs them
+        else:
+            session.staged.update(tensors)
+            session.keepalive.append(keepalive)
         return bucket.nbytes
 
     def take(self, update_id: str) -> tuple[list[tuple[str, torch.Tensor]], InstallSession]:
         """Every staged tensor in manifest order, closing the session; raises if any never arrived."""
         session = self.current(update_id)
+        if session.stream is not None:
+            raise RuntimeError(f"update {update_id} is streaming: its tensors are already in the model; finish it")
         self.session = None  # taken or refused, the session ends here
-        missing = [n for n in session.manifest.tensors if n not in session.staged]
-        if missing:
-            raise ValueError(f"update {update_id} is incomplete: {len(missing)} tensors never arrived: {missing[:5]}")
+        _refuse_incomplete(session)
         return [(n, session.staged[n]) for n in session.manifest.tensors], session
 
+    def finish_stream(self, update_id: str) -> tuple[int, InstallSession]:
+        """Complete a streaming session once every tensor arrived (``stream.finish()``'s count, the session)."""
+        session = self.current(update_id)
+        if session.stream is None:
+            raise RuntimeError(f"update {update_id} is staged, not streaming; take it")
+        _refuse_incomplete(session)  # the session stays open: the caller aborts it
+        count = session.stream.finish()
+        self.session = None
+        return count, session
+
     def abort(self, update_id: str | None = None) -> bool:
-        """Drop the open session (only ``update_id``'s when given)."""
-        if self.session is None or (update_id is not None and self.session.manifest.update_id != update_id):
+        """Drop the open session (only ``update_id``'s when given); a stream puts incomplete layers back."""
+        session = self.session
+        if session is None or (update_id is not None and session.manifest.update_id != update_id):
             return False
         self.session = None
+        if session.stream is not None:
+            session.stream.abort()
         return True
+
+
+def _refuse_incomplete(session: InstallSession) -> None:
+    missing = session.missing()
+    if missing:
+        update_id = session.manifest.update_id
+        raise ValueError(f"update {update_id} is incomplete: {len(missing)} tensors never arrived: {missing[:5]}")

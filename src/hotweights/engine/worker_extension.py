@@ -7,6 +7,10 @@ An install is a *session*: ``begin`` (manifest) -> ``stage`` per bucket -> ``fin
 copies bytes aside and checks them against the manifest; nothing touches the model until ``finish``, which
 installs every staged tensor in one layerwise reload. So a fused parameter whose parts arrive in different buckets
 is still correct, and ``abort`` (or a trainer that never comes back) leaves the previous weights serving.
+
+A *streaming* session (``begin(..., commit="streaming")``) installs each bucket as it arrives instead, holding only
+incomplete layers: memory follows the bucket, but an abort after the first bucket leaves a mix of old and new
+layers (see :mod:`hotweights.engine.streaming`).
 """
 
 from __future__ import annotations
@@ -30,9 +34,19 @@ class HotWeightsWorkerExtension:
             self._hotweights_staging = StagingArea(self)
         return self._hotweights_staging
 
-    def hotweights_begin(self, manifest_json: str) -> str:
-        """Open a session for an update; a session left open by a crashed trainer is dropped first."""
-        return self._hotweights.begin(manifest_json)
+    def hotweights_begin(self, manifest_json: str, commit: str = "atomic", method: str = "reload") -> str:
+        """Open a session for an update; a session left open by a crashed trainer is dropped first.
+
+        ``commit="atomic"`` stages every bucket aside until ``finish``; ``"streaming"`` installs each bucket as it
+        arrives with ``method`` (``"reload"`` or ``"direct"``).
+        """
+        if commit == "atomic":
+            return self._hotweights.begin(manifest_json)
+        if commit != "streaming":
+            raise ValueError(f"unknown commit mode {commit!r}; use 'atomic' or 'streaming'")
+        from hotweights.engine.streaming import open_stream
+
+        return self._hotweights.begin(manifest_json, lambda manifest: open_stream(self, manifest, method))
 
     def hotweights_stage(self, update_id: str, bucket_json: str, descriptor: dict[str, Any]) -> int:
         """Receive one bucket through its transport and keep its tensors aside; returns the bytes staged."""
@@ -45,18 +59,23 @@ class HotWeightsWorkerExtension:
         (``method="reload"``) or by the direct setter (``"direct"``: planned first, then copied in place)."""
         if method not in ("reload", "direct"):
             raise ValueError(f"unknown install method {method!r}; use 'reload' or 'direct'")
-        items, session = self._hotweights.take(update_id)
-        if method == "direct":
-            from hotweights.engine.direct import apply_direct, describe_model, plan_direct
-            from hotweights.engine.worker_ops import worker_model
-
-            model = worker_model(self)
-            plan = plan_direct(describe_model(model), session.manifest.tensors)
-            refreshed = apply_direct(model, plan, dict(items))
+        staging = self._hotweights
+        if staging.current(update_id).stream is not None:
+            refreshed, session = staging.finish_stream(update_id)
         else:
-            refreshed = reload_checkpoint_tensors(self, items)
+            items, session = staging.take(update_id)
+            if method == "direct":
+                from hotweights.engine.direct import apply_direct, model_slots, plan_direct
+                from hotweights.engine.worker_ops import after_weights_changed, worker_model
+
+                model = worker_model(self)
+                plan = plan_direct(model_slots(model), session.manifest.tensors)
+                refreshed = apply_direct(model, plan, dict(items))
+                after_weights_changed(self)
+            else:
+                refreshed = reload_checkpoint_tensors(self, items)
         return {
-            "tensors": len(items),
+            "tensors": len(session.manifest.tensors),
             "bytes": session.nbytes,
             "digests_verified": session.digests_verified,
             "tied_layers_refreshed": refreshed,

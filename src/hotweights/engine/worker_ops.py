@@ -5,12 +5,23 @@ This module and :mod:`hotweights.engine.compat` are the only places that touch v
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import contextlib
+import logging
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
 
-__all__ = ["clear_kv_cache", "refresh_tied_layers", "reload_checkpoint_tensors", "reload_model", "worker_model"]
+__all__ = [
+    "after_weights_changed",
+    "clear_kv_cache",
+    "close_layerwise_reload",
+    "open_layerwise_reload",
+    "refresh_tied_layers",
+    "reload_checkpoint_tensors",
+    "reload_model",
+    "worker_model",
+]
 
 
 def worker_model(worker: Any) -> torch.nn.Module:
@@ -78,3 +89,56 @@ def clear_kv_cache(worker: Any) -> int:
             t.zero_()
             n += 1
     return n
+
+
+def _model_config(worker: Any) -> Any:
+    worker = getattr(worker, "worker", worker)
+    return worker.model_runner.vllm_config.model_config
+
+
+def open_layerwise_reload(model: torch.nn.Module) -> None:
+    """Start a layerwise reload that later ``model.load_weights`` calls feed (vLLM buffers each layer until all
+    its parts arrived, then processes it). The model cannot serve until :func:`close_layerwise_reload`."""
+    from vllm.model_executor.model_loader.reload.layerwise import initialize_layerwise_reload
+
+    initialize_layerwise_reload(model)
+
+
+@torch.no_grad()
+def close_layerwise_reload(worker: Any, model: torch.nn.Module, *, discard_incomplete: bool = False) -> None:
+    """Finish a reload opened by :func:`open_layerwise_reload`; layers that never got weights keep their previous
+    ones. With ``discard_incomplete``, so do layers that got only some of their parts (their buffered parts are
+    dropped instead of being processed next to uninitialised memory)."""
+    from vllm.model_executor.model_loader.reload import layerwise
+
+    quiet: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
+    if discard_incomplete:
+        for layer in model.modules():
+            info = layerwise.LAYERWISE_INFO.get(layer)
+            if info is not None and info.can_load() and info.load_numel > 0:
+                info.loaded_weights.clear()
+                info.load_numel = 0
+        quiet = _quiet(layerwise.logger)  # "Failed to load weights" for every layer left as it was
+    with quiet:
+        layerwise.finalize_layerwise_reload(model, _model_config(worker))  # type: ignore[no-untyped-call]
+    after_weights_changed(worker)
+
+
+@contextlib.contextmanager
+def _quiet(logger: Any) -> Iterator[None]:
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+def after_weights_changed(worker: Any) -> None:
+    """Drop the worker's state derived from the old weights, as vLLM's own ``reload_weights`` does (LoRA,
+    encoder and multimodal caches)."""
+    runner = getattr(getattr(worker, "worker", worker), "model_runner", None)
+    for name in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):
+        reset = getattr(runner, name, None)
+        if callable(reset):
+            reset()

@@ -1,0 +1,113 @@
+"""Streaming installs: each bucket goes into the live model as soon as it is received and checked.
+
+The staged (atomic) session keeps the whole update aside until ``finish``; a stream keeps at most the bucket in
+flight plus the parts of a layer that are still incomplete, so peak extra memory follows the bucket size, not the
+update size. The price: once the first bucket went in, a failure leaves some layers new and some old (``abort``
+puts incomplete layers back to their previous weights; completed ones stay new).
+
+Two streams, one per install method:
+
+- :class:`ReloadStream`: one vLLM layerwise reload kept open across buckets; vLLM buffers a layer until all its
+  parts (q/k/v, gate/up) arrived, then processes it.
+- :class:`DirectStream`: the direct setter's plan for the whole update is made at ``begin`` (a tensor it cannot
+  place is refused before anything moves); each parameter is written once all its parts arrived.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch
+
+from hotweights.core.manifest import WeightUpdateManifest
+from hotweights.engine import worker_ops
+from hotweights.engine.direct import DirectPlan, apply_direct, model_slots, plan_direct
+
+__all__ = ["DirectStream", "ReloadStream", "Stream", "open_stream"]
+
+
+class Stream(Protocol):
+    """What a streaming session does with each checked bucket."""
+
+    def feed(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Install these tensors (all of one bucket) into the live model, or hold the parts of incomplete layers."""
+
+    def finish(self) -> int:
+        """Complete the install once every tensor was fed; returns the layers re-processed or refreshed."""
+
+    def abort(self) -> None:
+        """Stop: incomplete layers keep their previous weights; the model is left servable."""
+
+
+def open_stream(worker: Any, manifest: WeightUpdateManifest, method: str) -> Stream:
+    """A stream for ``method`` (``"reload"`` or ``"direct"``) into ``worker``'s model."""
+    if method == "reload":
+        return ReloadStream(worker)
+    if method == "direct":
+        return DirectStream(worker, manifest)
+    raise ValueError(f"unknown install method {method!r}; use 'reload' or 'direct'")
+
+
+class ReloadStream:
+    """vLLM's layerwise reload, opened at ``begin`` and fed one bucket at a time."""
+
+    def __init__(self, worker: Any) -> None:
+        self.worker = worker
+        self.model = worker_ops.worker_model(worker)
+        self.opened = False  # the reload starts with the first bucket: until then the model serves as before
+
+    def feed(self, tensors: dict[str, torch.Tensor]) -> None:
+        if not self.opened:
+            worker_ops.open_layerwise_reload(self.model)
+            self.opened = True
+        # Views into the received bucket: a layer still waiting for parts keeps them (and so the bucket) alive.
+        self.model.load_weights(iter(tensors.items()))  # type: ignore[operator]
+
+    def finish(self) -> int:
+        if self.opened:
+            worker_ops.close_layerwise_reload(self.worker, self.model)
+        return worker_ops.refresh_tied_layers(self.model)
+
+    def abort(self) -> None:
+        if self.opened:
+            worker_ops.close_layerwise_reload(self.worker, self.model, discard_incomplete=True)
+            worker_ops.refresh_tied_layers(self.model)
+
+
+class DirectStream:
+    """The direct setter, applied parameter by parameter as their parts arrive."""
+
+    def __init__(self, worker: Any, manifest: WeightUpdateManifest) -> None:
+        self.worker = worker
+        self.model = worker_ops.worker_model(worker)
+        plan = plan_direct(model_slots(self.model), manifest.tensors)  # refuses before anything moves
+        self.waiting: dict[str, DirectPlan] = {}  # parameter -> its copies, until all their sources arrived
+        for placement, slot in plan.placements:
+            self.waiting.setdefault(f"{slot.module_name}.{slot.attr}", DirectPlan()).placements.append(
+                (placement, slot)
+            )
+        self.pending: dict[str, torch.Tensor] = {}
+        self.reprocessed = 0
+
+    def feed(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.pending.update(tensors)
+        ready = DirectPlan()
+        for param, plan in list(self.waiting.items()):
+            if all(p.checkpoint_name in self.pending for p, _ in plan.placements):
+                ready.placements += plan.placements
+                del self.waiting[param]
+        if ready.placements:
+            self.reprocessed += apply_direct(self.model, ready, self.pending, refresh_tied=False)
+            for p, _ in ready.placements:
+                self.pending.pop(p.checkpoint_name, None)
+
+    def finish(self) -> int:
+        if self.waiting:
+            raise ValueError(f"parameters never completed: {sorted(self.waiting)[:5]}")
+        worker_ops.after_weights_changed(self.worker)
+        return self.reprocessed + worker_ops.refresh_tied_layers(self.model)
+
+    def abort(self) -> None:
+        self.pending.clear()  # parameters written so far hold complete new values; the rest were never touched
+        worker_ops.after_weights_changed(self.worker)
+        worker_ops.refresh_tied_layers(self.model)
