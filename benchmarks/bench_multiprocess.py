@@ -54,7 +54,12 @@ MODELS: dict[str, dict[str, dict[str, Any]]] = {
     },
     "many": {"full": {"layers": 24}, "tiny": {"layers": 6}},  # hidden 128, 12 tensors per layer
 }
-IN_PROCESS, PER_TENSOR = "in-process adapter", "per-tensor RPC loop (bytes, bucket 1 B)"
+IN_PROCESS = "in-process adapter"
+#: The issue's baseline, "one collective_rpc per tensor inside one reload session": each RPC carries one tensor and
+#: feeds it to ``model.load_weights`` inside one open layerwise reload (a streaming session, 1-byte buckets).
+PER_TENSOR = "per-tensor RPC loop in one reload session (bytes, 1 B buckets, streaming)"
+#: A cheaper variant: one RPC per tensor, but staged aside and installed by a single reload at the end.
+PER_TENSOR_STAGED = "per-tensor RPC loop, staged (bytes, 1 B buckets, atomic)"
 
 
 class TimedShm(ShmTransport):
@@ -234,7 +239,8 @@ def bench_model(name: str, size: str, repeats: int, tmp: Path) -> tuple[list[Row
             ("multiprocess shm, direct setter, streaming", "shm", None, "direct-streaming"),
             ("multiprocess bytes", "bytes", None, "reload"),
             ("multiprocess collective (gloo)", "collective", None, "reload"),
-            (PER_TENSOR, "bytes", 1, "reload"),
+            (PER_TENSOR, "bytes", 1, "reload-streaming"),
+            (PER_TENSOR_STAGED, "bytes", 1, "reload"),
         ]
         stages: list[float] = []  # seconds inside shm's stage RPCs, per install
         for label, transport, bucket, how in methods:
@@ -328,8 +334,11 @@ def main() -> None:
         print(f"[{model}] shm GB/s / in-process GB/s = {ratio:.2f} (target >= 0.8)")
     if "many" in checks:
         for method in [m for model, m, _, _ in rows if model == "many" and m.startswith("multiprocess shm")]:
-            ratio = s["many", PER_TENSOR] / s["many", method]
-            print(f"[many] {method} speed / per-tensor RPC loop speed = {ratio:.1f}x (target >= 5x)")
+            ratio, staged = s["many", PER_TENSOR] / s["many", method], s["many", PER_TENSOR_STAGED] / s["many", method]
+            print(
+                f"[many] {method} speed / per-tensor RPC loop speed = {ratio:.1f}x (target >= 5x); "
+                f"vs the staged per-tensor loop {staged:.1f}x"
+            )
     print(f"total {time.perf_counter() - t0:.1f} s; load average now {os.getloadavg()[0]:.2f}")
     if not all(checks.values()):
         sys.exit(f"greedy outputs after the shm install differ from HF's: {checks}")

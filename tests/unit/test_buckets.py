@@ -15,6 +15,7 @@ from hotweights.core.buckets import (
     Bucket,
     BucketEntry,
     default_bucket_bytes,
+    layer_key,
     pack_into,
     plan_buckets,
     unpack,
@@ -134,6 +135,33 @@ class TestPlanBuckets:
         (only,) = plan_buckets(_manifest(tensors), bucket_bytes=1 << 20)
         assert [(e.name, e.offset, e.nbytes) for e in only.entries] == [("a", 0, 3), ("b", 64, 16), ("c", 128, 8)]
         assert only.nbytes == 136
+
+    def test_whole_layers_ends_buckets_between_blocks(self) -> None:
+        names = ["model.embed.weight"] + [f"model.layers.{i}.{p}.weight" for i in range(3) for p in "qkv"]
+        m = _manifest({n: torch.zeros(10) for n in names})  # 40 bytes each, 168 bytes per block of three
+        greedy = plan_buckets(m, bucket_bytes=256)
+        assert _names(greedy)[1] == names[4:8]  # layer 2's q lands next to layer 1, its k and v in the next bucket
+        whole = plan_buckets(m, bucket_bytes=256, whole_layers=True)
+        assert _names(whole) == [names[:4], names[4:7], names[7:]]
+        _check_plan(whole, m, 256)
+
+    def test_whole_layers_splits_a_block_larger_than_a_bucket(self) -> None:
+        names = ["lm.weight"] + [f"model.layers.0.{p}.weight" for p in "qkv"]
+        m = _manifest({n: torch.zeros(10) for n in names})
+        plan = plan_buckets(m, bucket_bytes=104, whole_layers=True)  # the block needs 168 bytes
+        assert _names(plan) == [["lm.weight"], names[1:3], names[3:]]
+
+    @pytest.mark.parametrize(
+        ("name", "key"),
+        [
+            ("model.layers.12.mlp.up_proj.weight", "model.layers.12"),
+            ("transformer.h.0.attn.c_attn.weight", "transformer.h.0"),
+            ("model.embed_tokens.weight", "model.embed_tokens.weight"),
+            ("lm_head.weight", "lm_head.weight"),
+        ],
+    )
+    def test_layer_key(self, name: str, key: str) -> None:
+        assert layer_key(name) == key
 
     def test_default_bucket_size_is_used_when_none(self) -> None:
         m = _manifest({f"t{i}": torch.zeros(1000) for i in range(20)})  # 80 kB in all, far below 16 MiB

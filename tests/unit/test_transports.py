@@ -497,3 +497,84 @@ class TestWorkerExtension:
         a.hotweights_begin(m.to_json())
         assert b.hotweights_abort("u1") is False
         assert a.hotweights_abort("u1") is True
+
+
+class _RecordingStream:
+    """Stands in for a model stream: records what the session hands it (pure session logic, no engine)."""
+
+    def __init__(self) -> None:
+        self.fed: list[list[str]] = []
+        self.events: list[str] = []
+
+    def feed(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.fed.append(list(tensors))
+
+    def finish(self) -> int:
+        self.events.append("finish")
+        return 7
+
+    def abort(self) -> None:
+        self.events.append("abort")
+
+
+class TestStreamingSession:
+    @pytest.fixture
+    def stream(self, monkeypatch: pytest.MonkeyPatch) -> _RecordingStream:
+        from hotweights.engine import streaming
+
+        stream = _RecordingStream()
+        opened: list[tuple[Any, str]] = []
+
+        def open_stream(worker: Any, manifest: WeightUpdateManifest, method: str) -> _RecordingStream:
+            opened.append((worker, method))
+            return stream
+
+        monkeypatch.setattr(streaming, "open_stream", open_stream)
+        stream.opened = opened  # type: ignore[attr-defined]
+        return stream
+
+    def test_each_bucket_is_fed_when_staged_and_finish_closes(
+        self, stream: _RecordingStream, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        recorder = _Recorder()
+        monkeypatch.setattr(worker_extension, "reload_checkpoint_tensors", recorder)
+        tensors = _tensors()
+        m = _manifest(tensors, update_id="u1")
+        plan = plan_buckets(m, bucket_bytes=300)
+        ext = HotWeightsWorkerExtension()
+        ext.hotweights_begin(m.to_json(), "streaming", "direct")
+        assert stream.opened == [(ext, "direct")]  # type: ignore[attr-defined]
+        for b in plan:
+            TestWorkerExtension._stage(ext, "u1", b, tensors)
+        assert stream.fed == [[e.name for e in b.entries] for b in plan]  # bucket by bucket, nothing kept aside
+        assert ext._hotweights.session is not None and ext._hotweights.session.staged == {}
+        result = ext.hotweights_finish("u1")
+        assert result["tied_layers_refreshed"] == 7 and result["tensors"] == len(tensors)
+        assert stream.events == ["finish"]
+        assert recorder.calls == []  # the staged path's reload never ran
+        TestWorkerExtension._assert_closed(ext, "u1")
+
+    def test_finish_with_missing_tensors_refuses_and_abort_reaches_the_stream(self, stream: _RecordingStream) -> None:
+        tensors = _tensors()
+        m = _manifest(tensors, update_id="u1")
+        first = plan_buckets(m, bucket_bytes=300)[0]
+        ext = HotWeightsWorkerExtension()
+        ext.hotweights_begin(m.to_json(), "streaming")
+        TestWorkerExtension._stage(ext, "u1", first, tensors)
+        with pytest.raises(ValueError, match="incomplete"):
+            ext.hotweights_finish("u1")
+        assert stream.events == []  # still open: the trainer aborts it
+        assert ext.hotweights_abort("u1") is True
+        assert stream.events == ["abort"]
+        TestWorkerExtension._assert_closed(ext, "u1")
+
+    def test_a_new_begin_aborts_an_open_stream(self, stream: _RecordingStream) -> None:
+        ext = HotWeightsWorkerExtension()
+        ext.hotweights_begin(_manifest({"w": torch.ones(2)}, update_id="u1").to_json(), "streaming")
+        ext.hotweights_begin(_manifest({"w": torch.ones(2)}, update_id="u2").to_json())
+        assert stream.events == ["abort"]
+
+    def test_unknown_commit_mode_is_refused(self) -> None:
+        ext = HotWeightsWorkerExtension()
+        with pytest.raises(ValueError, match="unknown commit mode 'eventual'; use 'atomic' or 'streaming'"):
+            ext.hotweights_begin(_manifest({"w": torch.ones(2)}).to_json(), "eventual")
