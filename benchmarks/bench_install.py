@@ -219,7 +219,13 @@ def bench_dtype(
             BARE: bare_reload,
             COPY: copy_step,
         }
+        pointers = {n: p.data_ptr() for n, p in direct.model.named_parameters() if p.numel()}
         seconds = interleaved_medians(steps, pair, repeats)
+        moved = [n for n, p in direct.model.named_parameters() if n in pointers and p.data_ptr() != pointers[n]]
+        print(
+            f"[{dtype_name}] parameters holding data whose storage moved during the timed rounds (all methods): "
+            f"{len(moved)}/{len(pointers)} {moved[:3]}"
+        )
 
         for label in (IN_PROCESS, DIRECT):
             reports = installer.reports[label]
