@@ -317,10 +317,14 @@ def test_direct_setter_through_the_worker_extension(engine: Engine) -> None:
 
 # ---------------------------------------------------------------------------------------------- streaming commit
 def _streaming(
-    engine: Engine, transport: str | WeightTransport, method: str = "reload", bucket_bytes: int = SMALL_BUCKET
+    engine: Engine,
+    transport: str | WeightTransport,
+    method: str = "reload",
+    bucket_bytes: int = SMALL_BUCKET,
+    commit: str = "streaming",
 ) -> VLLMMultiprocessAdapter:
     adapter = VLLMMultiprocessAdapter(
-        engine.llm, transport=transport, bucket_bytes=bucket_bytes, install_method=method, commit="streaming"
+        engine.llm, transport=transport, bucket_bytes=bucket_bytes, install_method=method, commit=commit
     )
     adapter.active_weight_version = engine._version
     return adapter
@@ -382,14 +386,15 @@ def test_streaming_interrupted_is_reported_and_a_full_install_recovers(engine: E
     assert greedy_vllm(engine.llm) == engine.b.fresh
 
 
-def test_streaming_direct_plan_refused_before_anything_moves(engine: Engine) -> None:
+@pytest.mark.parametrize("commit", ["atomic", "streaming"])
+def test_direct_plan_refused_before_anything_moves(engine: Engine, commit: str) -> None:
     engine.install(engine.a, "shm")
     version = engine._version
     q = "model.layers.0.self_attn.q_proj.weight"
     sd = {q: engine.b.state_dict()[q]}  # q without its k and v: the fused qkv_proj cannot be written
     manifest = WeightUpdateManifest.from_state_dict(sd, weight_version=version + 1)
     counting = CountingTransport("shm")
-    adapter = _streaming(engine, counting, "direct")
+    adapter = _streaming(engine, counting, "direct", commit=commit)
     adapter.expected = ExpectedWeights(manifest.tensors)  # a partial update passes the trainer-side checks
     with pytest.raises(InstallError, match="before the model was touched") as info:
         adapter.install(manifest, sd)

@@ -38,10 +38,21 @@ class HotWeightsWorkerExtension:
         """Open a session for an update; a session left open by a crashed trainer is dropped first.
 
         ``commit="atomic"`` stages every bucket aside until ``finish``; ``"streaming"`` installs each bucket as it
-        arrives with ``method`` (``"reload"`` or ``"direct"``).
+        arrives with ``method`` (``"reload"`` or ``"direct"``). A ``"direct"`` update is planned here either way,
+        so one the direct setter cannot place is refused before any byte moves.
         """
         if commit == "atomic":
-            return self._hotweights.begin(manifest_json)
+            update_id = self._hotweights.begin(manifest_json)
+            if method == "direct":  # refuse an update the direct setter cannot place now, before any byte moves
+                from hotweights.engine.direct import model_slots, plan_direct
+                from hotweights.engine.worker_ops import worker_model
+
+                try:
+                    plan_direct(model_slots(worker_model(self)), self._hotweights.current(update_id).manifest.tensors)
+                except BaseException:
+                    self._hotweights.abort(update_id)
+                    raise
+            return update_id
         if commit != "streaming":
             raise ValueError(f"unknown commit mode {commit!r}; use 'atomic' or 'streaming'")
         from hotweights.engine.streaming import open_stream
