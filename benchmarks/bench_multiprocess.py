@@ -39,7 +39,7 @@ from hotweights import (
 )
 from hotweights.core.buckets import Bucket, plan_buckets
 from hotweights.testing import PROMPTS, build_tiny_model, greedy_hf, greedy_vllm, start_engine, stop_engine
-from hotweights.transports import Stage
+from hotweights.transports import Stage, make_transport
 from hotweights.transports.shm import SHM_DIR
 from hotweights.transports.shm import Transport as ShmTransport
 
@@ -235,6 +235,8 @@ def bench_model(name: str, size: str, repeats: int, tmp: Path) -> tuple[list[Row
         methods: list[tuple[str, str | WeightTransport, int | None, str]] = [
             ("multiprocess shm", shm, None, "reload"),
             ("multiprocess shm, direct setter", "shm", None, "direct"),
+            ("multiprocess shm, kept segments", make_transport("shm", keep_segments=True), None, "reload"),
+            ("multiprocess shm, kept segments, direct setter", make_transport("shm", keep_segments=True), None, "direct"),
             ("multiprocess shm, streaming", "shm", None, "reload-streaming"),
             ("multiprocess shm, direct setter, streaming", "shm", None, "direct-streaming"),
             ("multiprocess bytes", "bytes", None, "reload"),

@@ -402,3 +402,25 @@ def test_direct_plan_refused_before_anything_moves(engine: Engine, commit: str) 
     assert counting.sends == 0
     assert greedy_vllm(engine.llm) == engine.a.fresh
     assert engine.llm.llm_engine.get_weight_version() == str(version)
+
+
+# ---------------------------------------------------------------------------------------------- shm kept segments
+def test_kept_shm_segments_are_reused_and_released(engine: Engine) -> None:
+    transport = make_transport("shm", keep_segments=True)
+    adapter = engine.adapter(transport)
+    try:
+        for ckpt in (engine.b, engine.a, engine.b):
+            sd = ckpt.state_dict()
+            adapter.install(WeightUpdateManifest.from_state_dict(sd, weight_version=engine.version()), sd)
+            assert greedy_vllm(engine.llm) == ckpt.fresh
+            assert _our_segments() == []  # mapped on both sides, no file left
+        kept = len(plan_buckets(WeightUpdateManifest.from_state_dict(sd, weight_version=1), SMALL_BUCKET))
+        assert len(transport._kept) == kept  # type: ignore[attr-defined]
+    finally:
+        adapter.close()
+    assert engine.llm.collective_rpc("hotweights_release_segments") == [0]  # close() released the workers' maps
+
+
+def test_kept_segments_do_not_combine_with_streaming(engine: Engine) -> None:
+    with pytest.raises(ValueError, match="defeats commit='streaming'"):
+        VLLMMultiprocessAdapter(engine.llm, transport=make_transport("shm", keep_segments=True), commit="streaming")

@@ -107,6 +107,110 @@ class TestRegistry:
             engine_side({"transport": "carrier-pigeon"})
 
 
+# ---------------------------------------------------------------------------------------------- shm, kept segments
+class _Worker:
+    """A worker object for ``open_bucket`` to keep mappings on."""
+
+
+class _Link:
+    """An EngineLink whose one worker is in this process: ``call`` runs the extension method on it."""
+
+    def __init__(self, worker: _Worker) -> None:
+        self.worker = worker
+        self.calls: list[tuple[str, Any]] = []
+
+    @property
+    def num_workers(self) -> int:
+        return 1
+
+    def call(self, method: str, *args: Any) -> list[Any]:
+        self.calls.append((method, args))
+        assert method == "hotweights_release_segments"
+        return [shm.release_segments(self.worker, *args)]
+
+
+class TestShmKeptSegments:
+    def _install(
+        self, transport: shm.Transport, worker: _Worker, tensors: dict[str, torch.Tensor], bucket_bytes: int = 300
+    ) -> tuple[dict[str, torch.Tensor], list[str]]:
+        """One "install": every bucket through ``transport``; returns copies of what the worker read, and ids."""
+        m = _manifest(tensors)
+        received: dict[str, torch.Tensor] = {}
+        ids: list[str] = []
+        for bucket in plan_buckets(m, bucket_bytes=bucket_bytes):
+
+            def stage(descriptor: dict[str, Any], bucket: Bucket = bucket) -> None:
+                ids.append(descriptor["segment"])
+                buffer, _ = shm.open_bucket(descriptor, worker)
+                received.update({n: t.clone() for n, t in unpack(buffer, bucket, m)})
+
+            transport.send(bucket, tensors, stage)
+        return received, ids
+
+    def test_segments_are_reused_across_installs_and_released_on_close(self) -> None:
+        worker = _Worker()
+        link = _Link(worker)
+        transport = shm.Transport(keep_segments=True)
+        transport.connect(link)
+        a = _tensors()
+        b = {n: t + 1 if t.is_floating_point() else t.clone() for n, t in a.items()}
+        got_a, ids_a = self._install(transport, worker, a)
+        assert _own_segments() == []  # unlinked once the worker mapped them
+        got_b, ids_b = self._install(transport, worker, b)
+        assert ids_a == ids_b and len(set(ids_a)) == len(ids_a) > 2  # one segment per bucket, the same ones
+        _assert_same(got_a, a)
+        _assert_same(got_b, b)  # the worker's shared mapping sees the trainer's new bytes
+        assert sorted(shm._kept_segments(worker)) == sorted(ids_a)
+        transport.close()
+        assert link.calls == [("hotweights_release_segments", (ids_a,))]
+        assert shm._kept_segments(worker) == {}
+
+    def test_a_failed_stage_drops_the_segment(self) -> None:
+        worker = _Worker()
+        transport = shm.Transport(keep_segments=True)
+        transport.connect(_Link(worker))
+        tensors = _tensors()
+        _, first = self._install(transport, worker, tensors, bucket_bytes=1 << 20)
+        bucket = plan_buckets(_manifest(tensors), bucket_bytes=1 << 20)[0]
+        with pytest.raises(RuntimeError, match="worker died"):
+            transport.send(bucket, tensors, lambda d: (_ for _ in ()).throw(RuntimeError("worker died")))
+        assert shm._kept_segments(worker) == {}  # released in the worker too
+        _, second = self._install(transport, worker, tensors, bucket_bytes=1 << 20)
+        assert first != second
+        transport.close()
+
+    def test_a_larger_bucket_gets_a_new_segment(self) -> None:
+        worker = _Worker()
+        transport = shm.Transport(keep_segments=True)
+        transport.connect(_Link(worker))
+        _, small = self._install(transport, worker, {"w": torch.ones(4)})
+        got, large = self._install(transport, worker, {"w": torch.ones(4), "v": torch.ones(64)})
+        assert small != large
+        _assert_same(got, {"w": torch.ones(4), "v": torch.ones(64)})
+        assert list(shm._kept_segments(worker)) == large
+        transport.close()
+
+    def test_segment_id_must_match_the_file_name(self) -> None:
+        path = f"{shm.SHM_DIR}/hotweights-{os.getpid()}-{'a' * 32}"
+        for sid in ["b" * 32, "../x", "A" * 32]:
+            with pytest.raises(ValueError, match="refusing segment"):
+                shm.open_bucket({"transport": "shm", "path": path, "nbytes": 8, "segment": sid}, _Worker())
+
+    def test_segments_of_a_trainer_that_is_gone_are_released(self) -> None:
+        worker = _Worker()
+        transport = shm.Transport(keep_segments=True)
+        _, ids = self._install(transport, worker, {"w": torch.ones(4)})
+        child = os.fork()
+        if child == 0:
+            os._exit(0)
+        os.waitpid(child, 0)  # a pid that no longer exists
+        segments = shm._kept_segments(worker)
+        segments[ids[0]] = (child, segments[ids[0]][1])
+        assert shm.release_segments(worker, []) == 1
+        assert segments == {}
+        transport.close()
+
+
 # ---------------------------------------------------------------------------------------------- shm
 class TestShm:
     def test_round_trip_and_cleanup(self) -> None:

@@ -83,6 +83,11 @@ class VLLMMultiprocessAdapter(VLLMTransportAdapter):
             )
         if commit not in ("atomic", "streaming"):
             raise ValueError(f"commit must be 'atomic' or 'streaming', not {commit!r}")
+        if commit == "streaming" and getattr(transport, "keep_segments", False):
+            raise ValueError(
+                "a shm transport with keep_segments=True holds one update's worth of shared memory, which defeats "
+                "commit='streaming' (memory bounded by the bucket): use one or the other"
+            )
         self.install_method = install_method
         self.commit = commit
         super().__init__(

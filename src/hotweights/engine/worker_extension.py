@@ -117,6 +117,12 @@ class HotWeightsWorkerExtension:
 
         return close_group(self)
 
+    def hotweights_release_segments(self, ids: list[str] | None = None) -> int:
+        """Unmap kept shm segments (``ids``, or all), and those of trainers that are gone; returns how many."""
+        from hotweights.transports.shm import release_segments
+
+        return release_segments(self, ids)
+
     def hotweights_ping(self) -> str:
         """Cheap round trip; tells the trainer the extension is loaded."""
         return "hotweights"

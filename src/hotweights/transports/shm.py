@@ -4,6 +4,11 @@ map it (copy-on-write, so nothing is copied unless written) and the trainer unli
 Nothing outlives a send: the file is unlinked after ``stage`` returns or raises, and at interpreter exit for a
 send interrupted in between. A SIGKILL between create and unlink can leave one bucket-sized file behind; the
 names start with ``hotweights-`` and :func:`sweep_stale` removes those of dead processes.
+
+With ``Transport(keep_segments=True)`` the segments outlive the install instead: the trainer and the workers keep
+them mapped (the file itself is still unlinked once every worker has mapped it) and the next install writes into
+the same pages. That skips the page faults of fresh shared memory on both sides, and costs one update's worth of
+shared memory held between installs, until :meth:`Transport.close`.
 """
 
 from __future__ import annotations
@@ -11,19 +16,21 @@ from __future__ import annotations
 import atexit
 import mmap
 import os
+import contextlib
 import re
 import time
 import uuid
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from hotweights.core.buckets import Bucket, pack_into
-from hotweights.transports.base import Descriptor, Stage, WeightTransport
+from hotweights.transports.base import Descriptor, EngineLink, Stage, WeightTransport
 
-__all__ = ["SHM_DIR", "Transport", "open_bucket", "sweep_stale"]
+__all__ = ["SHM_DIR", "Transport", "open_bucket", "release_segments", "sweep_stale"]
 
 SHM_DIR = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(os.environ.get("TMPDIR", "/tmp"))
 _PREFIX = "hotweights-"
@@ -55,19 +62,63 @@ def sweep_stale(directory: Path = SHM_DIR, min_age: float = 0.0) -> list[Path]:
     return removed
 
 
+@dataclass
+class _Segment:
+    """A kept segment: mapped here (and, once ``shared``, by every worker); its file unlinked once shared."""
+
+    id: str
+    path: Path
+    mm: mmap.mmap
+    shared: bool = False
+
+    def close(self) -> None:
+        self.path.unlink(missing_ok=True)
+        _LIVE.discard(self.path)
+        with contextlib.suppress(BufferError):  # a tensor still viewing it keeps the pages until it is freed
+            self.mm.close()
+
+
 class Transport(WeightTransport):
-    """Same-host transport through shared memory (the default for ``vllm.LLM`` multiprocess engines)."""
+    """Same-host transport through shared memory (the default for ``vllm.LLM`` multiprocess engines).
+
+    Args:
+        keep_segments: keep the shared memory mapped between installs (here and in the workers) and write the next
+            install into the same pages: faster repeated installs, one update's worth of shared memory held until
+            :meth:`close`. Each install still uses a segment of its own per bucket (an atomic install keeps every
+            bucket until it commits), so it does not combine with a streaming commit's memory bound.
+    """
 
     name = "shm"
     # measured: 16-32 MiB buckets installed ~2x faster than 512 MiB ones (new shm pages are costly to fill at once)
     preferred_bucket_bytes = 32 << 20
 
-    def __init__(self) -> None:
+    def __init__(self, keep_segments: bool = False) -> None:
         # Segments of senders that died mid-transfer (SIGKILL skips every cleanup) go first; the age margin spares
         # a live sender whose pid this process cannot see (another PID namespace sharing /dev/shm).
         sweep_stale(min_age=60.0)
+        self.keep_segments = keep_segments
+        self._kept: dict[int, _Segment] = {}  # bucket index -> its segment, reused by every install
+        self._engine: EngineLink | None = None
+
+    def connect(self, engine: EngineLink) -> None:
+        self._engine = engine
+
+    def close(self) -> None:
+        """Unmap the kept segments here and ask the workers to unmap theirs."""
+        kept, self._kept = list(self._kept.values()), {}
+        self._forget(kept)
+        for seg in kept:
+            seg.close()
+
+    def _forget(self, segments: list[_Segment]) -> None:
+        if segments and self._engine is not None:
+            with contextlib.suppress(Exception):  # best effort: a worker also drops segments of dead trainers
+                self._engine.call("hotweights_release_segments", [seg.id for seg in segments])
 
     def send(self, bucket: Bucket, tensors: Mapping[str, torch.Tensor], stage: Stage) -> None:
+        if self.keep_segments:
+            self._send_kept(bucket, tensors, stage)
+            return
         path = SHM_DIR / f"{_PREFIX}{os.getpid()}-{uuid.uuid4().hex}"
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)  # private to this user
         _LIVE.add(path)
@@ -88,12 +139,113 @@ class Transport(WeightTransport):
             _LIVE.discard(path)
 
 
+    def _send_kept(self, bucket: Bucket, tensors: Mapping[str, torch.Tensor], stage: Stage) -> None:
+        # The i-th bucket of every install goes into the i-th segment. A new install only starts once the previous
+        # one is over (committed, or aborted and its session dropped by the next begin), so the pages are free.
+        size = max(bucket.nbytes, 1)
+        seg = self._kept.get(bucket.index)
+        if seg is not None and len(seg.mm) < size:
+            self._drop(bucket.index)
+            seg = None
+        if seg is None:
+            seg = self._kept[bucket.index] = self._create(size)
+        buffer = torch.frombuffer(seg.mm, dtype=torch.uint8, count=size)
+        pack_into(buffer, bucket, dict(tensors))
+        del buffer
+        try:
+            stage({"transport": self.name, "path": str(seg.path), "nbytes": bucket.nbytes, "segment": seg.id})
+        except BaseException:
+            self._drop(bucket.index)  # a worker may or may not have mapped it: start afresh next time
+            raise
+        if not seg.shared:
+            seg.shared = True
+            seg.path.unlink(missing_ok=True)  # every worker mapped it; the mappings keep the pages
+            _LIVE.discard(seg.path)
+
+    def _create(self, size: int) -> _Segment:
+        sid = uuid.uuid4().hex
+        path = SHM_DIR / f"{_PREFIX}{os.getpid()}-{sid}"
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        _LIVE.add(path)
+        try:
+            os.ftruncate(fd, size)
+            mm = mmap.mmap(fd, size)
+        except BaseException:
+            path.unlink(missing_ok=True)
+            _LIVE.discard(path)
+            raise
+        finally:
+            os.close(fd)
+        return _Segment(sid, path, mm)
+
+    def _drop(self, index: int) -> None:
+        seg = self._kept.pop(index)
+        self._forget([seg])
+        seg.close()
+
+
+_SEGMENT_ID = re.compile(r"[0-9a-f]{32}")
+
+
+def _kept_segments(worker: Any) -> dict[str, tuple[int | None, mmap.mmap]]:
+    """This worker's kept segments: id -> (trainer pid if this process can see it, mapping)."""
+    segments: dict[str, tuple[int | None, mmap.mmap]] | None = getattr(worker, "_hotweights_shm_segments", None)
+    if segments is None:
+        segments = {}
+        worker._hotweights_shm_segments = segments
+    return segments
+
+
+def release_segments(worker: Any, ids: list[str] | None = None) -> int:
+    """Unmap the kept segments ``ids`` (all when None) and those of trainers that are gone; returns how many."""
+    segments = _kept_segments(worker)
+
+    def gone(pid: int | None) -> bool:  # a trainer in another PID namespace is never seen, so never presumed gone
+        return pid is not None and not Path(f"/proc/{pid}").exists()
+
+    drop = [s for s, (pid, _) in segments.items() if ids is None or s in ids or gone(pid)]
+    for sid in drop:
+        _, mm = segments.pop(sid)
+        with contextlib.suppress(BufferError):  # a staged tensor still viewing it keeps the pages until freed
+            mm.close()
+    return len(drop)
+
+
+def _open_kept(descriptor: Descriptor, path: Path, nbytes: int, worker: Any) -> tuple[torch.Tensor, Any]:
+    sid = str(descriptor["segment"])
+    if not _SEGMENT_ID.fullmatch(sid) or not path.name.endswith(f"-{sid}"):
+        raise ValueError(f"refusing segment {sid!r}: not the id in {path.name}")
+    segments = _kept_segments(worker)
+    if sid not in segments:
+        release_segments(worker, [])  # drop segments of trainers that are gone before mapping a new one
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
+        try:
+            mm = mmap.mmap(fd, os.fstat(fd).st_size)  # shared: the trainer's next writes are seen here
+        finally:
+            os.close(fd)
+        pid = int(path.name[len(_PREFIX) :].split("-", 1)[0])
+        segments[sid] = (pid if Path(f"/proc/{pid}").exists() else None, mm)
+    mm = segments[sid][1]
+    if len(mm) < nbytes:
+        raise ValueError(f"segment {sid} holds {len(mm)} bytes, the bucket needs {nbytes}")
+    buffer = torch.frombuffer(mm, dtype=torch.uint8, count=nbytes) if nbytes else torch.empty(0, dtype=torch.uint8)
+    return buffer, mm
+
+
 def open_bucket(descriptor: Descriptor, worker: Any = None) -> tuple[torch.Tensor, Any]:
-    """Map a bucket file copy-on-write; the mapping stays valid after the trainer unlinks the file."""
+    """Map a bucket file copy-on-write; the mapping stays valid after the trainer unlinks the file.
+
+    A descriptor with a ``"segment"`` id is a kept segment: mapped shared the first time, kept on ``worker`` and
+    reused by later installs (see :class:`Transport`'s ``keep_segments``).
+    """
     path = Path(str(descriptor["path"]))
     nbytes = int(descriptor["nbytes"])
     if path.parent != SHM_DIR or not path.name.startswith(_PREFIX):
         raise ValueError(f"refusing to map {path}: not a hotweights segment in {SHM_DIR}")
+    if "segment" in descriptor:
+        if worker is None:
+            raise ValueError("a kept shm segment needs a worker to keep its mapping on")
+        return _open_kept(descriptor, path, nbytes, worker)
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
     try:
         if os.fstat(fd).st_size < nbytes:
