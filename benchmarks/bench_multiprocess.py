@@ -55,6 +55,7 @@ MODELS: dict[str, dict[str, dict[str, Any]]] = {
     "many": {"full": {"layers": 24}, "tiny": {"layers": 6}},  # hidden 128, 12 tensors per layer
 }
 IN_PROCESS = "in-process adapter"
+KEPT_DIRECT = "multiprocess shm, kept segments, direct setter"
 #: The issue's baseline, "one collective_rpc per tensor inside one reload session": each RPC carries one tensor and
 #: feeds it to ``model.load_weights`` inside one open layerwise reload (a streaming session, 1-byte buckets).
 PER_TENSOR = "per-tensor RPC loop in one reload session (bytes, 1 B buckets, streaming)"
@@ -236,7 +237,7 @@ def bench_model(name: str, size: str, repeats: int, tmp: Path) -> tuple[list[Row
             ("multiprocess shm", shm, None, "reload"),
             ("multiprocess shm, direct setter", "shm", None, "direct"),
             ("multiprocess shm, kept segments", make_transport("shm", keep_segments=True), None, "reload"),
-            ("multiprocess shm, kept segments, direct setter", make_transport("shm", keep_segments=True), None, "direct"),
+            (KEPT_DIRECT, make_transport("shm", keep_segments=True), None, "direct"),
             ("multiprocess shm, streaming", "shm", None, "reload-streaming"),
             ("multiprocess shm, direct setter, streaming", "shm", None, "direct-streaming"),
             ("multiprocess bytes", "bytes", None, "reload"),

@@ -14,9 +14,9 @@ shared memory held between installs, until :meth:`Transport.close`.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import mmap
 import os
-import contextlib
 import re
 import time
 import uuid
@@ -137,7 +137,6 @@ class Transport(WeightTransport):
                 os.close(fd)
             path.unlink(missing_ok=True)
             _LIVE.discard(path)
-
 
     def _send_kept(self, bucket: Bucket, tensors: Mapping[str, torch.Tensor], stage: Stage) -> None:
         # The i-th bucket of every install goes into the i-th segment. A new install only starts once the previous
