@@ -98,3 +98,8 @@ def test_interrupted_update_keeps_previous_weights(native: Native) -> None:
     assert native.llm.llm_engine.get_weight_version() == str(native.version)
     native.install(native.adapter("shm"), native.b)  # vLLM's session was closed cleanly: the next one works
     assert greedy_vllm(native.llm) == native.b.fresh
+
+
+def test_kept_shm_segments_are_refused(native: Native) -> None:
+    with pytest.raises(ValueError, match="kept shm segments are released through hotweights' worker extension"):
+        VLLMWeightTransferAdapter(native.llm, transport=make_transport("shm", keep_segments=True))

@@ -53,6 +53,11 @@ class VLLMWeightTransferAdapter(VLLMTransportAdapter):
                 f"this engine's weight transfer backend is {backend or 'not configured'!r}; start it with "
                 f"LLM(..., weight_transfer_config={{'backend': {BACKEND!r}}}) with hotweights installed"
             )
+        if getattr(transport, "keep_segments", False):
+            raise ValueError(
+                "kept shm segments are released through hotweights' worker extension, which vLLM's weight-transfer "
+                "API cannot reach; use a plain make_transport('shm') here, or VLLMMultiprocessAdapter"
+            )
         super().__init__(
             llm,
             transport=transport,
