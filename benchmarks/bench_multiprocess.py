@@ -56,6 +56,7 @@ MODELS: dict[str, dict[str, dict[str, Any]]] = {
 }
 IN_PROCESS = "in-process adapter"
 KEPT_DIRECT = "multiprocess shm, kept segments, direct setter"
+KEPT_STREAMING = "multiprocess shm, kept segment, direct setter, streaming"
 #: The issue's baseline, "one collective_rpc per tensor inside one reload session": each RPC carries one tensor and
 #: feeds it to ``model.load_weights`` inside one open layerwise reload (a streaming session, 1-byte buckets).
 PER_TENSOR = "per-tensor RPC loop in one reload session (bytes, 1 B buckets, streaming)"
@@ -240,6 +241,7 @@ def bench_model(name: str, size: str, repeats: int, tmp: Path) -> tuple[list[Row
             (KEPT_DIRECT, make_transport("shm", keep_segments=True), None, "direct"),
             ("multiprocess shm, streaming", "shm", None, "reload-streaming"),
             ("multiprocess shm, direct setter, streaming", "shm", None, "direct-streaming"),
+            (KEPT_STREAMING, make_transport("shm", keep_segments=True), None, "direct-streaming"),
             ("multiprocess bytes", "bytes", None, "reload"),
             ("multiprocess collective (gloo)", "collective", None, "reload"),
             (PER_TENSOR, "bytes", 1, "reload-streaming"),
@@ -285,13 +287,20 @@ def bench_model(name: str, size: str, repeats: int, tmp: Path) -> tuple[list[Row
         # Memory of one more shm install of B (forced: same version, same weights), atomic and streaming, at the
         # default bucket size and at an eighth of the update: does the peak follow the bucket or the update?
         for limit in (None, max(1 << 20, nbytes // 8)):
-            for commit in ("atomic", "streaming"):
-                for method in ("reload", "direct"):
-                    mp = VLLMMultiprocessAdapter(
-                        llm, transport="shm", bucket_bytes=limit, commit=commit, install_method=method
-                    )
-                    adapters.append(mp)
-                    report_memory(f"{name}, {commit}, {method}", mp, pair[1], run.version)
+            for commit, method, keep in [
+                ("atomic", "reload", False),
+                ("atomic", "direct", False),
+                ("streaming", "reload", False),
+                ("streaming", "direct", False),
+                ("streaming", "direct", True),
+            ]:
+                transport = make_transport("shm", keep_segments=keep)
+                mp = VLLMMultiprocessAdapter(
+                    llm, transport=transport, bucket_bytes=limit, commit=commit, install_method=method
+                )
+                adapters.append(mp)  # a kept segment is created by this install and stays: it counts in the peak
+                label = f"{name}, {commit}, {method}" + (", kept segment" if keep else "")
+                report_memory(label, mp, pair[1], run.version)
         return rows, ok
     finally:
         for mp in adapters:

@@ -424,3 +424,19 @@ def test_kept_shm_segments_are_reused_and_released(engine: Engine) -> None:
 def test_kept_segments_do_not_combine_with_streaming(engine: Engine) -> None:
     with pytest.raises(ValueError, match="defeats commit='streaming'"):
         VLLMMultiprocessAdapter(engine.llm, transport=make_transport("shm", keep_segments=True), commit="streaming")
+
+
+def test_streaming_direct_carries_every_bucket_in_one_kept_segment(engine: Engine) -> None:
+    """q, k, v split across buckets: the worker copies out the waiting parts, so one segment serves every bucket."""
+    transport = make_transport("shm", keep_segments=True)
+    adapter = _streaming(engine, transport, "direct")
+    try:
+        for ckpt in (engine.b, engine.a, engine.b):
+            sd = ckpt.state_dict()
+            adapter.install(WeightUpdateManifest.from_state_dict(sd, weight_version=engine.version()), sd)
+            assert greedy_vllm(engine.llm) == ckpt.fresh
+        assert len(transport._kept) == 1  # type: ignore[attr-defined]
+        assert _our_segments() == []
+    finally:
+        adapter.close()
+    assert engine.llm.collective_rpc("hotweights_release_segments") == [0]

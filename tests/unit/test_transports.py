@@ -165,6 +165,21 @@ class TestShmKeptSegments:
         assert link.calls == [("hotweights_release_segments", (ids_a,))]
         assert shm._kept_segments(worker) == {}
 
+    def test_one_segment_for_every_bucket_when_the_engine_keeps_no_view(self) -> None:
+        worker = _Worker()
+        link = _Link(worker)
+        link.releases_buckets_after_stage = True  # type: ignore[attr-defined]
+        transport = shm.Transport(keep_segments=True)
+        transport.connect(link)
+        tensors = _tensors()
+        got, first = self._install(transport, worker, tensors)  # the stage copies every bucket out
+        _assert_same(got, tensors)
+        got, ids = self._install(transport, worker, tensors)
+        assert len(ids) > 2 and set(ids) == {first[-1]}  # grown once to the largest bucket, then one segment
+        _assert_same(got, tensors)
+        assert len(shm._kept_segments(worker)) == 1  # the outgrown segment was released in the worker too
+        transport.close()
+
     def test_a_failed_stage_drops_the_segment(self) -> None:
         worker = _Worker()
         transport = shm.Transport(keep_segments=True)

@@ -83,10 +83,11 @@ class VLLMMultiprocessAdapter(VLLMTransportAdapter):
             )
         if commit not in ("atomic", "streaming"):
             raise ValueError(f"commit must be 'atomic' or 'streaming', not {commit!r}")
-        if commit == "streaming" and getattr(transport, "keep_segments", False):
+        if commit == "streaming" and install_method == "reload" and getattr(transport, "keep_segments", False):
             raise ValueError(
-                "a shm transport with keep_segments=True holds one update's worth of shared memory, which defeats "
-                "commit='streaming' (memory bounded by the bucket): use one or the other"
+                "a shm transport with keep_segments=True keeps one segment per bucket when vLLM's layerwise reload "
+                "may still read a bucket after its stage, which defeats commit='streaming' (memory bounded by the "
+                "bucket): use install_method='direct' (one segment for every bucket), or a plain shm transport"
             )
         self.install_method = install_method
         self.commit = commit
@@ -100,6 +101,12 @@ class VLLMMultiprocessAdapter(VLLMTransportAdapter):
             lock_timeout=lock_timeout,
             guard_generation=guard_generation,
         )
+
+    @property
+    def releases_buckets_after_stage(self) -> bool:
+        """EngineLink: the workers keep no view of a bucket once its ``stage`` RPC returned (a streaming direct
+        install copies out the few parts that wait for the next bucket), so a transport may reuse one buffer."""
+        return self.commit == "streaming" and self.install_method == "direct"
 
     @property
     def label(self) -> str:

@@ -10,7 +10,8 @@ Two streams, one per install method:
 - :class:`ReloadStream`: one vLLM layerwise reload kept open across buckets; vLLM buffers a layer until all its
   parts (q/k/v, gate/up) arrived, then processes it.
 - :class:`DirectStream`: the direct setter's plan for the whole update is made at ``begin`` (a tensor it cannot
-  place is refused before anything moves); each parameter is written once all its parts arrived.
+  place is refused before anything moves); each parameter is written once all its parts arrived. It keeps no view
+  of a bucket after ``feed`` returns (waiting parts are copied), so a sender can reuse one buffer for every bucket.
 """
 
 from __future__ import annotations
@@ -100,6 +101,10 @@ class DirectStream:
             self.reprocessed += apply_direct(self.model, ready, self.pending, refresh_tied=False)
             for p, _ in ready.placements:
                 self.pending.pop(p.checkpoint_name, None)
+        # Parts still waiting for the rest of their parameter are copied out of the bucket: once ``stage`` returns,
+        # this stream holds no view of it, so the sender may reuse its memory for the next bucket.
+        for name in tensors.keys() & self.pending.keys():
+            self.pending[name] = self.pending[name].clone()
 
     def finish(self) -> int:
         if self.waiting:

@@ -83,9 +83,10 @@ class Transport(WeightTransport):
 
     Args:
         keep_segments: keep the shared memory mapped between installs (here and in the workers) and write the next
-            install into the same pages: faster repeated installs, one update's worth of shared memory held until
-            :meth:`close`. Each install still uses a segment of its own per bucket (an atomic install keeps every
-            bucket until it commits), so it does not combine with a streaming commit's memory bound.
+            install into the same pages: faster repeated installs, held until :meth:`close`. An install uses one
+            segment per bucket (an atomic install keeps every bucket until it commits: one update's worth of shared
+            memory), or a single segment for every bucket when the engine keeps no view of a bucket after its
+            stage (``EngineLink.releases_buckets_after_stage``: a streaming direct install).
     """
 
     name = "shm"
@@ -97,11 +98,14 @@ class Transport(WeightTransport):
         # a live sender whose pid this process cannot see (another PID namespace sharing /dev/shm).
         sweep_stale(min_age=60.0)
         self.keep_segments = keep_segments
-        self._kept: dict[int, _Segment] = {}  # bucket index -> its segment, reused by every install
+        self._kept: dict[int, _Segment] = {}  # bucket index (or 0 for all) -> its segment, reused by every install
         self._engine: EngineLink | None = None
+        self._one_segment = False
 
     def connect(self, engine: EngineLink) -> None:
         self._engine = engine
+        # An engine that keeps no view of a bucket after its stage lets one segment carry every bucket.
+        self._one_segment = bool(getattr(engine, "releases_buckets_after_stage", False))
 
     def close(self) -> None:
         """Unmap the kept segments here and ask the workers to unmap theirs."""
@@ -142,19 +146,20 @@ class Transport(WeightTransport):
         # The i-th bucket of every install goes into the i-th segment. A new install only starts once the previous
         # one is over (committed, or aborted and its session dropped by the next begin), so the pages are free.
         size = max(bucket.nbytes, 1)
-        seg = self._kept.get(bucket.index)
+        slot = 0 if self._one_segment else bucket.index
+        seg = self._kept.get(slot)
         if seg is not None and len(seg.mm) < size:
-            self._drop(bucket.index)
+            self._drop(slot)
             seg = None
         if seg is None:
-            seg = self._kept[bucket.index] = self._create(size)
+            seg = self._kept[slot] = self._create(size)
         buffer = torch.frombuffer(seg.mm, dtype=torch.uint8, count=size)
         pack_into(buffer, bucket, dict(tensors))
         del buffer
         try:
             stage({"transport": self.name, "path": str(seg.path), "nbytes": bucket.nbytes, "segment": seg.id})
         except BaseException:
-            self._drop(bucket.index)  # a worker may or may not have mapped it: start afresh next time
+            self._drop(slot)  # a worker may or may not have mapped it: start afresh next time
             raise
         if not seg.shared:
             seg.shared = True
