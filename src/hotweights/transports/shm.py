@@ -7,8 +7,9 @@ names start with ``hotweights-`` and :func:`sweep_stale` removes those of dead p
 
 With ``Transport(keep_segments=True)`` the segments outlive the install instead: the trainer and the workers keep
 them mapped (the file itself is still unlinked once every worker has mapped it) and the next install writes into
-the same pages. That skips the page faults of fresh shared memory on both sides, and costs one update's worth of
-shared memory held between installs, until :meth:`Transport.close`.
+the same pages. That skips the page faults of fresh shared memory on both sides, and holds the segments between
+installs, until :meth:`Transport.close`: one per bucket (one update's worth), or a single one when the engine keeps no
+view of a bucket after its stage.
 """
 
 from __future__ import annotations
@@ -143,8 +144,9 @@ class Transport(WeightTransport):
             _LIVE.discard(path)
 
     def _send_kept(self, bucket: Bucket, tensors: Mapping[str, torch.Tensor], stage: Stage) -> None:
-        # The i-th bucket of every install goes into the i-th segment. A new install only starts once the previous
-        # one is over (committed, or aborted and its session dropped by the next begin), so the pages are free.
+        # The i-th bucket of every install goes into the i-th segment (or every bucket into one, when the engine
+        # holds no view of a bucket after its stage). A new install only starts once the previous one is over
+        # (committed, or aborted and its session dropped by the next begin), so the pages are free to rewrite.
         size = max(bucket.nbytes, 1)
         slot = 0 if self._one_segment else bucket.index
         seg = self._kept.get(slot)
