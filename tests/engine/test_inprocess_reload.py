@@ -238,6 +238,8 @@ def test_failure_after_a_partial_write_clears_kv_cache_and_next_install_heals(
     assert engine.adapter.active_weight_version == version
     runner = engine.llm.llm_engine.model_executor.driver_worker.worker.model_runner
     assert runner.kv_caches and all(not t.any() for t in runner.kv_caches)  # zeroed, NaNs included
+    with pytest.raises(hotweights.PartialUpdateError):  # fails closed until a full install
+        greedy_vllm(engine.llm)
     monkeypatch.undo()
     engine.install(engine.b)
     assert greedy_vllm(engine.llm) == engine.b.fresh

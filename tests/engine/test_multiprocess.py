@@ -21,6 +21,7 @@ import hotweights
 from hotweights import (
     ExpectedWeights,
     InstallError,
+    PartialUpdateError,
     VLLMMultiprocessAdapter,
     WeightManifestValidationError,
     WeightTransport,
@@ -377,6 +378,10 @@ def test_streaming_interrupted_is_reported_and_a_full_install_recovers(engine: E
     assert adapter.active_weight_version == version
     assert engine.llm.llm_engine.get_weight_version() == str(version)
     assert _our_segments() == []
+    # Fail closed: no generation on a mix of old and new layers until a full install (or an explicit reopen).
+    with pytest.raises(PartialUpdateError, match="failed while writing"):
+        greedy_vllm(engine.llm)
+    adapter.reopen_serving()
     # The half-fed layer was put back, not left on vLLM's meta tensors: the engine still generates.
     assert len(greedy_vllm(engine.llm)) == len(engine.a.fresh)
     report = _streaming(engine, "shm", method).install(

@@ -18,6 +18,7 @@ from hotweights import (
     HotWeightsTimeoutError,
     InstallError,
     InstallReport,
+    PartialUpdateError,
     StaleWeightVersionError,
     TensorSpec,
     UnsupportedLayoutError,
@@ -26,6 +27,7 @@ from hotweights import (
     WeightManifestValidationError,
     WeightUpdateManifest,
 )
+from hotweights.core.gate import ServingGate
 from hotweights.core.report import PhaseTimer
 
 
@@ -293,6 +295,53 @@ def test_failure_after_writing_recovers_and_says_so() -> None:
     assert isinstance(info.value.__cause__, RuntimeError)
     assert adapter.recovered == 1
     assert adapter.active_weight_version is None
+
+
+class _FailsWhileWriting(RecordingAdapter):
+    """Starts writing, then fails with ``fail_with`` on the first install; later installs succeed."""
+
+    def _install(self, manifest, items, timer):  # type: ignore[no-untyped-def]
+        if self.fail_with is not None:
+            self._begin_writing(timer)
+            exc, self.fail_with = self.fail_with, None
+            raise exc
+        return super()._install(manifest, items, timer)
+
+
+@pytest.mark.parametrize("failure", [RuntimeError("reload died in layer 3"), KeyboardInterrupt()])
+def test_failure_while_writing_closes_the_gate_until_a_full_install(failure: BaseException) -> None:
+    gate = ServingGate()
+    adapter = _FailsWhileWriting(fail_with=failure, gate=gate)
+    with pytest.raises((InstallError, KeyboardInterrupt)) as info:
+        adapter.install(_manifest(1), _tensors())
+    if isinstance(info.value, InstallError):
+        assert "Generation calls raise PartialUpdateError until then." in str(info.value)
+    refused = r"\(v1\) failed while writing.*adapter.reopen_serving\(\)"
+    with pytest.raises(PartialUpdateError, match=refused), gate.serving():
+        pass
+    adapter.install(_manifest(1), _tensors())  # the same version: the active one did not change
+    with gate.serving():
+        pass
+
+
+def test_reopen_serving_lets_generation_in_after_a_partial_write() -> None:
+    gate = ServingGate()
+    adapter = _FailsWhileWriting(fail_with=RuntimeError("boom"), gate=gate)
+    with pytest.raises(InstallError):
+        adapter.install(_manifest(1), _tensors())
+    adapter.reopen_serving()
+    with gate.serving():
+        pass
+    assert adapter.active_weight_version is None
+
+
+def test_failure_before_writing_leaves_the_gate_open() -> None:
+    gate = ServingGate()
+    adapter = RecordingAdapter(fail_with=RuntimeError("transport died"), gate=gate)
+    with pytest.raises(InstallError, match="before the model was touched"):
+        adapter.install(_manifest(1), _tensors())
+    with gate.serving():
+        pass
 
 
 def test_hotweights_error_inside_install_is_not_wrapped() -> None:

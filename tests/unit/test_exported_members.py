@@ -22,6 +22,7 @@ EXPECTED_ALL = [
     "InstallError",
     "InstallReport",
     "Mismatch",
+    "PartialUpdateError",
     "PrefixCachePolicy",
     "StaleWeightVersionError",
     "TensorSpec",

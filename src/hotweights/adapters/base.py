@@ -141,6 +141,7 @@ class WeightInstallAdapter(ABC):
                 if self._may_have_written:
                     with contextlib.suppress(Exception):
                         self._recover()
+                    self._refuse_serving(manifest)
                 raise
             if not self._may_have_written:
                 if isinstance(exc, HotWeightsError):
@@ -153,13 +154,16 @@ class WeightInstallAdapter(ABC):
                 cleared = self._recover()
             except Exception as rec:
                 cleared = f"recovery failed too ({type(rec).__name__}: {rec}); restart the engine"
+            closed = " Generation calls raise PartialUpdateError until then." if self._refuse_serving(manifest) else ""
             raise InstallError(
                 f"the engine failed while writing update {manifest.update_id} (v{manifest.weight_version}): "
                 f"{type(exc).__name__}: {exc}. Some layers may hold new weights; {cleared}. Install a full update "
-                "again before serving."
+                f"again before serving.{closed}"
             ) from exc
         previous = self.active_weight_version
         # The new weights are in: from here on the engine serves them, whatever happens next.
+        if self.gate is not None:
+            self.gate.reopen()  # a complete install heals a failed one
         self.active_weight_version = manifest.weight_version
         self.active_update_id = manifest.update_id
         reset = False
@@ -188,6 +192,18 @@ class WeightInstallAdapter(ABC):
             digests_verified=int(summary.get("digests_verified", 0)),
             phases=timer.phases,
         )
+
+    def _refuse_serving(self, manifest: WeightUpdateManifest) -> bool:
+        """Fail closed after a partial write: generation through the gate raises until a full install succeeds."""
+        if self.gate is None:
+            return False
+        self.gate.refuse(
+            f"generation refused: update {manifest.update_id} (v{manifest.weight_version}) failed while writing, so "
+            "this engine may hold a mix of old and new weights. Install a full update first (the active version did "
+            "not change, so the same weight_version is accepted), or call adapter.reopen_serving() to generate "
+            "anyway."
+        )
+        return True
 
     def _validate(
         self, manifest: WeightUpdateManifest, items: Items, force: bool
@@ -236,6 +252,13 @@ class WeightInstallAdapter(ABC):
     def _record_engine_version(self, version: str) -> str | None:
         """Store the version in the engine where it keeps one; return what the engine reports."""
         return None
+
+    def reopen_serving(self) -> None:
+        """Let generation calls in again after an install that failed while writing (they raise
+        :class:`PartialUpdateError` until a full install succeeds). The engine may serve a mix of old and new
+        weights: use it only if that is acceptable, e.g. to inspect the engine."""
+        if self.gate is not None:
+            self.gate.reopen()
 
     def close(self) -> None:  # noqa: B027 - optional hook, a no-op unless an adapter holds resources
         """Release what the adapter holds (no-op by default)."""

@@ -8,6 +8,7 @@ Hierarchy::
     ├── StaleWeightVersionError         weight_version not newer than the active one
     ├── EngineNotSupportedError         no adapter fits this engine (or its mode)
     ├── InstallError                    the engine failed while installing
+    ├── PartialUpdateError              generation refused after an install failed while writing
     └── HotWeightsTimeoutError          a wait ran past its timeout (names what it waited for)
 
 Errors from torch or vLLM are mapped with ``raise ... from exc`` so the original stays in the traceback.
@@ -26,6 +27,7 @@ __all__ = [
     "HotWeightsTimeoutError",
     "InstallError",
     "Mismatch",
+    "PartialUpdateError",
     "StaleWeightVersionError",
     "UnsupportedLayoutError",
     "WeightManifestValidationError",
@@ -108,6 +110,11 @@ class EngineNotSupportedError(HotWeightsError):
 
 class InstallError(HotWeightsError):
     """The engine raised while installing; the original error is chained as ``__cause__``."""
+
+
+class PartialUpdateError(HotWeightsError):
+    """Generation refused: an install failed after it had started writing, so the engine may hold a mix of old and
+    new weights. A successful install (any full update) lifts it; so does ``adapter.reopen_serving()``."""
 
 
 class HotWeightsTimeoutError(HotWeightsError, TimeoutError):

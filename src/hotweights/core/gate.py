@@ -4,6 +4,9 @@ An install must never overlap a generation call: a response would be computed pa
 partly from the new ones. Generation calls enter :meth:`ServingGate.serving` together; :meth:`installing` waits for
 them to leave and keeps new ones out until the install (and its prefix-cache reset) is done. Waiting installs take
 precedence over new generation calls, so a busy engine cannot starve an install.
+
+After an install that failed while writing, :meth:`refuse` closes the gate to generation (fail closed): every call
+raises :class:`PartialUpdateError` until :meth:`reopen` (a later successful install, or the user's explicit choice).
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from hotweights.core.errors import HotWeightsTimeoutError
+from hotweights.core.errors import HotWeightsTimeoutError, PartialUpdateError
 
 __all__ = ["ServingGate"]
 
@@ -35,6 +38,18 @@ class ServingGate:
         self._installing = False
         self._waiting_installs = 0
         self._owner: int | None = None
+        self.refusal: str | None = None
+        """Why generation is refused (set by :meth:`refuse`), or None."""
+
+    def refuse(self, reason: str) -> None:
+        """Refuse every generation call from now on, with ``reason``, until :meth:`reopen`."""
+        with self._cond:
+            self.refusal = reason
+
+    def reopen(self) -> None:
+        """Let generation calls in again."""
+        with self._cond:
+            self.refusal = None
 
     @contextmanager
     def serving(self, timeout: float | None = None) -> Iterator[None]:
@@ -46,6 +61,8 @@ class ServingGate:
         with self._cond:
             if not self._cond.wait_for(lambda: not self._installing and not self._waiting_installs, timeout):
                 raise HotWeightsTimeoutError(f"generation waited {timeout} s for a weight install to finish")
+            if self.refusal is not None:
+                raise PartialUpdateError(self.refusal)
             self._serving += 1
         try:
             yield
