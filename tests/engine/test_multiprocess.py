@@ -254,6 +254,50 @@ def test_sender_killed_at_random_points(engine: Engine, tmp_path: Path) -> None:
     print(f"\nsender kills: {kills}; outcomes: {outcomes}")
 
 
+@pytest.mark.parametrize("method", ["reload", "direct"])
+def test_sender_killed_mid_streaming_install(engine: Engine, tmp_path: Path, method: str) -> None:
+    """Streaming: a sender killed after some buckets went in leaves a partial update. Generation is then refused
+    (fail closed) until a full install, which serves exactly the installed weights again; nothing leaks."""
+    weights_b = tmp_path / "b.safetensors"
+    save_file(engine.b.state_dict(), str(weights_b))
+    engine.install(engine.a)
+    rng = random.Random(1)
+    outcomes = {"partial": 0, "untouched": 0, "installed": 0}
+    attempts = 0
+    while outcomes["partial"] < 5 and attempts < 30:
+        attempts += 1
+        sd = engine.b.state_dict()
+        transport = RemoteSenderTransport(weights_b, delay=0.004)
+        adapter = _streaming(engine, transport, method)
+        killer = threading.Timer(rng.uniform(0.0, 0.1), transport.proc.kill)
+        killer.start()
+        try:
+            adapter.install(WeightUpdateManifest.from_state_dict(sd, weight_version=engine.version()), sd)
+            outcomes["installed"] += 1
+            assert greedy_vllm(engine.llm) == engine.b.fresh
+        except InstallError as exc:
+            assert isinstance(exc.__cause__, ConnectionError)
+            engine._version -= 1  # never installed
+            assert engine.llm.llm_engine.get_weight_version() == str(engine._version)
+            if "Some layers may hold new weights" in str(exc):
+                outcomes["partial"] += 1
+                with pytest.raises(PartialUpdateError):
+                    greedy_vllm(engine.llm)
+            else:
+                outcomes["untouched"] += 1
+                assert greedy_vllm(engine.llm) == engine.a.fresh
+        finally:
+            killer.join()
+            pid = transport.proc.pid
+            transport.close()
+        sweep_stale()
+        assert not list(Path(SHM_DIR).glob(f"hotweights-{pid}-*"))
+        engine.install(engine.a)  # a full install heals whatever happened
+        assert greedy_vllm(engine.llm) == engine.a.fresh
+    assert outcomes["partial"] >= 5, outcomes
+    print(f"\nstreaming {method} outcomes: {outcomes}")
+
+
 def test_no_pickle_anywhere(engine: Engine) -> None:
     """Installs above ran with insecure serialization off; a callable RPC (pickle) is indeed refused here."""
     assert "VLLM_ALLOW_INSECURE_SERIALIZATION" not in os.environ
