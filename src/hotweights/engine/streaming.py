@@ -50,7 +50,7 @@ def open_stream(worker: Any, manifest: WeightUpdateManifest, method: str) -> Str
 
 
 class ReloadStream:
-    """vLLM's layerwise reload, opened at ``begin`` and fed one bucket at a time."""
+    """vLLM's layerwise reload, opened with the first bucket and fed one bucket at a time."""
 
     def __init__(self, worker: Any) -> None:
         self.worker = worker
