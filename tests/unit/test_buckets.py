@@ -232,6 +232,28 @@ def test_plan_pack_unpack_property(
     _round_trip(plan, m, tensors)
 
 
+@given(
+    groups=st.lists(st.lists(st.integers(0, 300), min_size=1, max_size=4), min_size=1, max_size=6),
+    bucket_bytes=st.integers(1, 700),
+)
+def test_whole_layers_never_split_a_block_that_fits_property(groups: list[list[int]], bucket_bytes: int) -> None:
+    tensors = {
+        f"model.layers.{i}.p{j}": torch.zeros(n, dtype=torch.uint8)
+        for i, sizes in enumerate(groups)
+        for j, n in enumerate(sizes)
+    }
+    m = _manifest(tensors)
+    plan = plan_buckets(m, bucket_bytes=bucket_bytes, whole_layers=True)
+    _check_plan(plan, m, bucket_bytes)
+    where = {e.name: b.index for b in plan for e in b.entries}
+    for i, sizes in enumerate(groups):
+        span = 0
+        for n in sizes:  # the block's bytes packed from offset 0
+            span = -(-span // ALIGNMENT) * ALIGNMENT + n
+        if span <= bucket_bytes:
+            assert len({where[f"model.layers.{i}.p{j}"] for j in range(len(sizes))}) == 1, (i, span)
+
+
 def test_pack_into_accepts_non_contiguous_sources() -> None:
     base = _filled((4, 6), torch.float32, 7)
     tensors = {"t": base.t(), "s": base[:, ::2]}
