@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -213,6 +214,22 @@ class RemoteSenderTransport(WeightTransport):
         self.proc.wait(10)
 
 
+@contextlib.contextmanager
+def _sender_killed_at_random(weights: Path, rng: random.Random) -> Iterator[RemoteSenderTransport]:
+    """A remote sender that a timer SIGKILLs within 0.1 s; afterwards: reaped, and its shm segments swept."""
+    transport = RemoteSenderTransport(weights, delay=0.004)
+    killer = threading.Timer(rng.uniform(0.0, 0.1), transport.proc.kill)
+    killer.start()
+    try:
+        yield transport
+    finally:
+        killer.join()
+        transport.close()
+    sweep_stale()  # what the next shm transport does: segments of dead senders go
+    assert not list(Path(SHM_DIR).glob(f"hotweights-{transport.proc.pid}-*"))
+    assert transport.proc.poll() is not None  # reaped, not leaked
+
+
 def test_sender_killed_at_random_points(engine: Engine, tmp_path: Path) -> None:
     """>= 20 kills of the sending process mid-install (kills that land after it finished do not count): previous
     weights serve, the version is unchanged, nothing is left in /dev/shm, no process leaks, the next install works."""
@@ -225,29 +242,20 @@ def test_sender_killed_at_random_points(engine: Engine, tmp_path: Path) -> None:
     while outcomes["refused"] < 20 and attempts < 60:
         attempts += 1
         sd = engine.b.state_dict()
-        transport = RemoteSenderTransport(weights_b, delay=0.004)
-        adapter = engine.adapter(transport, bucket_bytes=SMALL_BUCKET)
-        killer = threading.Timer(rng.uniform(0.0, 0.1), transport.proc.kill)
-        killer.start()
-        try:
-            adapter.install(WeightUpdateManifest.from_state_dict(sd, weight_version=engine.version()), sd)
-            outcomes["installed"] += 1
-            assert greedy_vllm(engine.llm) == engine.b.fresh
-            engine.install(engine.a)  # back to A for the next round
-        except InstallError as exc:
-            assert isinstance(exc.__cause__, ConnectionError)
-            outcomes["refused"] += 1
-            assert greedy_vllm(engine.llm) == engine.a.fresh
-            assert engine.llm.llm_engine.get_weight_version() == str(engine._version - 1)
-            engine._version -= 1  # the refused version was never installed
-        finally:
-            killer.join()
-            pid = transport.proc.pid
-            transport.close()
+        with _sender_killed_at_random(weights_b, rng) as transport:
+            adapter = engine.adapter(transport, bucket_bytes=SMALL_BUCKET)
+            try:
+                adapter.install(WeightUpdateManifest.from_state_dict(sd, weight_version=engine.version()), sd)
+                outcomes["installed"] += 1
+                assert greedy_vllm(engine.llm) == engine.b.fresh
+                engine.install(engine.a)  # back to A for the next round
+            except InstallError as exc:
+                assert isinstance(exc.__cause__, ConnectionError)
+                outcomes["refused"] += 1
+                assert greedy_vllm(engine.llm) == engine.a.fresh
+                assert engine.llm.llm_engine.get_weight_version() == str(engine._version - 1)
+                engine._version -= 1  # the refused version was never installed
         kills += transport.proc.returncode == -signal.SIGKILL
-        sweep_stale()  # what the next shm transport does: segments of dead senders go
-        assert not list(Path(SHM_DIR).glob(f"hotweights-{pid}-*"))
-        assert transport.proc.poll() is not None  # reaped, not leaked
     assert outcomes["refused"] >= 20, outcomes
     engine.install(engine.b)
     assert greedy_vllm(engine.llm) == engine.b.fresh
@@ -267,31 +275,23 @@ def test_sender_killed_mid_streaming_install(engine: Engine, tmp_path: Path, met
     while outcomes["partial"] < 5 and attempts < 30:
         attempts += 1
         sd = engine.b.state_dict()
-        transport = RemoteSenderTransport(weights_b, delay=0.004)
-        adapter = _streaming(engine, transport, method)
-        killer = threading.Timer(rng.uniform(0.0, 0.1), transport.proc.kill)
-        killer.start()
-        try:
-            adapter.install(WeightUpdateManifest.from_state_dict(sd, weight_version=engine.version()), sd)
-            outcomes["installed"] += 1
-            assert greedy_vllm(engine.llm) == engine.b.fresh
-        except InstallError as exc:
-            assert isinstance(exc.__cause__, ConnectionError)
-            engine._version -= 1  # never installed
-            assert engine.llm.llm_engine.get_weight_version() == str(engine._version)
-            if "Some layers may hold new weights" in str(exc):
-                outcomes["partial"] += 1
-                with pytest.raises(PartialUpdateError):
-                    greedy_vllm(engine.llm)
-            else:
-                outcomes["untouched"] += 1
-                assert greedy_vllm(engine.llm) == engine.a.fresh
-        finally:
-            killer.join()
-            pid = transport.proc.pid
-            transport.close()
-        sweep_stale()
-        assert not list(Path(SHM_DIR).glob(f"hotweights-{pid}-*"))
+        with _sender_killed_at_random(weights_b, rng) as transport:
+            adapter = _streaming(engine, transport, method)
+            try:
+                adapter.install(WeightUpdateManifest.from_state_dict(sd, weight_version=engine.version()), sd)
+                outcomes["installed"] += 1
+                assert greedy_vllm(engine.llm) == engine.b.fresh
+            except InstallError as exc:
+                assert isinstance(exc.__cause__, ConnectionError)
+                engine._version -= 1  # never installed
+                assert engine.llm.llm_engine.get_weight_version() == str(engine._version)
+                if "Some layers may hold new weights" in str(exc):
+                    outcomes["partial"] += 1
+                    with pytest.raises(PartialUpdateError):
+                        greedy_vllm(engine.llm)
+                else:
+                    outcomes["untouched"] += 1
+                    assert greedy_vllm(engine.llm) == engine.a.fresh
         engine.install(engine.a)  # a full install heals whatever happened
         assert greedy_vllm(engine.llm) == engine.a.fresh
     assert outcomes["partial"] >= 5, outcomes
