@@ -162,8 +162,7 @@ class WeightInstallAdapter(ABC):
             ) from exc
         previous = self.active_weight_version
         # The new weights are in: from here on the engine serves them, whatever happens next.
-        if self.gate is not None:
-            self.gate.reopen()  # a complete install heals a failed one
+        self.reopen_serving()  # a complete install heals a failed one
         self.active_weight_version = manifest.weight_version
         self.active_update_id = manifest.update_id
         reset = False

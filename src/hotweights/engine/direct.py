@@ -215,7 +215,9 @@ def apply_direct(
     rebuilt: dict[str, torch.Tensor] = {}
     touched: dict[str, torch.nn.Module] = {}
     for p, slot in plan.placements:
-        module = touched.get(slot.module_name) or model.get_submodule(slot.module_name)
+        module = touched.get(slot.module_name)
+        if module is None:
+            module = model.get_submodule(slot.module_name)
         param = getattr(module, slot.attr)
         key = f"{slot.module_name}.{slot.attr}"
         if param.numel() == 0 and slot.rank_shape and 0 not in slot.rank_shape:

@@ -21,6 +21,7 @@ from hotweights.core.manifest import WeightUpdateManifest
 from hotweights.transports import engine_side
 
 if TYPE_CHECKING:
+    from hotweights.engine.direct import DirectPlan
     from hotweights.engine.streaming import Stream
 
 __all__ = ["InstallSession", "StagingArea"]
@@ -35,6 +36,8 @@ class InstallSession:
     manifest: WeightUpdateManifest
     stream: Stream | None = None
     """Set for a streaming session: checked buckets go to it, nothing is kept in ``staged``."""
+    direct_plan: DirectPlan | None = None
+    """The direct setter's plan, when the session was opened for a direct install (made once, at ``begin``)."""
     staged: dict[str, torch.Tensor] = field(default_factory=dict)
     received: set[str] = field(default_factory=set)
     keepalive: list[Any] = field(default_factory=list)

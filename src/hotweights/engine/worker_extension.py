@@ -15,10 +15,14 @@ layers (see :mod:`hotweights.engine.streaming`).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hotweights.engine.staging import StagingArea
 from hotweights.engine.worker_ops import reload_checkpoint_tensors
+
+if TYPE_CHECKING:
+    from hotweights.core.manifest import WeightUpdateManifest
+    from hotweights.engine.direct import DirectPlan
 
 __all__ = ["HotWeightsWorkerExtension"]
 
@@ -44,11 +48,9 @@ class HotWeightsWorkerExtension:
         if commit == "atomic":
             update_id = self._hotweights.begin(manifest_json)
             if method == "direct":  # refuse an update the direct setter cannot place now, before any byte moves
-                from hotweights.engine.direct import model_slots, plan_direct
-                from hotweights.engine.worker_ops import worker_model
-
+                session = self._hotweights.current(update_id)
                 try:
-                    plan_direct(model_slots(worker_model(self)), self._hotweights.current(update_id).manifest.tensors)
+                    session.direct_plan = self._direct_plan(session.manifest)
                 except BaseException:
                     self._hotweights.abort(update_id)
                     raise
@@ -76,12 +78,13 @@ class HotWeightsWorkerExtension:
         else:
             items, session = staging.take(update_id)
             if method == "direct":
-                from hotweights.engine.direct import apply_direct, model_slots, plan_direct
+                from hotweights.engine.direct import apply_direct
                 from hotweights.engine.worker_ops import after_weights_changed, worker_model
 
-                model = worker_model(self)
-                plan = plan_direct(model_slots(model), session.manifest.tensors)
-                refreshed = apply_direct(model, plan, dict(items))
+                plan = session.direct_plan  # made at begin when the trainer said "direct" there
+                if plan is None:
+                    plan = self._direct_plan(session.manifest)
+                refreshed = apply_direct(worker_model(self), plan, dict(items))
                 after_weights_changed(self)
             else:
                 refreshed = reload_checkpoint_tensors(self, items)
@@ -91,6 +94,13 @@ class HotWeightsWorkerExtension:
             "digests_verified": session.digests_verified,
             "tied_layers_refreshed": refreshed,
         }
+
+    def _direct_plan(self, manifest: WeightUpdateManifest) -> DirectPlan:
+        """The direct setter's plan for ``manifest`` on this worker's model (raises if it cannot place it)."""
+        from hotweights.engine.direct import model_slots, plan_direct
+        from hotweights.engine.worker_ops import worker_model
+
+        return plan_direct(model_slots(worker_model(self)), manifest.tensors)
 
     def hotweights_abort(self, update_id: str | None = None) -> bool:
         """Drop the open session (only ``update_id``'s when given); the model was never touched."""

@@ -63,6 +63,28 @@ def sweep_stale(directory: Path = SHM_DIR, min_age: float = 0.0) -> list[Path]:
     return removed
 
 
+def _new_segment(size: int) -> tuple[str, Path, mmap.mmap]:
+    """A new private file of ``size`` bytes in ``SHM_DIR`` (removed at exit unless :func:`_remove` ran), mapped
+    here: its id, path and mapping."""
+    sid = uuid.uuid4().hex
+    path = SHM_DIR / f"{_PREFIX}{os.getpid()}-{sid}"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)  # private to this user
+    _LIVE.add(path)
+    try:
+        os.ftruncate(fd, size)
+        return sid, path, mmap.mmap(fd, size)
+    except BaseException:
+        _remove(path)
+        raise
+    finally:
+        os.close(fd)
+
+
+def _remove(path: Path) -> None:
+    path.unlink(missing_ok=True)
+    _LIVE.discard(path)
+
+
 @dataclass
 class _Segment:
     """A kept segment: mapped here (and, once ``shared``, by every worker); its file unlinked once shared."""
@@ -73,8 +95,7 @@ class _Segment:
     shared: bool = False
 
     def close(self) -> None:
-        self.path.unlink(missing_ok=True)
-        _LIVE.discard(self.path)
+        _remove(self.path)
         with contextlib.suppress(BufferError):  # a tensor still viewing it keeps the pages until it is freed
             self.mm.close()
 
@@ -124,24 +145,15 @@ class Transport(WeightTransport):
         if self.keep_segments:
             self._send_kept(bucket, tensors, stage)
             return
-        path = SHM_DIR / f"{_PREFIX}{os.getpid()}-{uuid.uuid4().hex}"
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)  # private to this user
-        _LIVE.add(path)
+        _, path, mm = _new_segment(max(bucket.nbytes, 1))
         try:
-            size = max(bucket.nbytes, 1)
-            os.ftruncate(fd, size)
-            with mmap.mmap(fd, size) as mm:
+            with mm:
                 buffer = torch.frombuffer(mm, dtype=torch.uint8)
                 pack_into(buffer, bucket, dict(tensors))
                 del buffer
-            os.close(fd)
-            fd = -1
             stage({"transport": self.name, "path": str(path), "nbytes": bucket.nbytes})
         finally:
-            if fd >= 0:
-                os.close(fd)
-            path.unlink(missing_ok=True)
-            _LIVE.discard(path)
+            _remove(path)
 
     def _send_kept(self, bucket: Bucket, tensors: Mapping[str, torch.Tensor], stage: Stage) -> None:
         # The i-th bucket of every install goes into the i-th segment (or every bucket into one, when the engine
@@ -165,24 +177,10 @@ class Transport(WeightTransport):
             raise
         if not seg.shared:
             seg.shared = True
-            seg.path.unlink(missing_ok=True)  # every worker mapped it; the mappings keep the pages
-            _LIVE.discard(seg.path)
+            _remove(seg.path)  # every worker mapped it; the mappings keep the pages
 
     def _create(self, size: int) -> _Segment:
-        sid = uuid.uuid4().hex
-        path = SHM_DIR / f"{_PREFIX}{os.getpid()}-{sid}"
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        _LIVE.add(path)
-        try:
-            os.ftruncate(fd, size)
-            mm = mmap.mmap(fd, size)
-        except BaseException:
-            path.unlink(missing_ok=True)
-            _LIVE.discard(path)
-            raise
-        finally:
-            os.close(fd)
-        return _Segment(sid, path, mm)
+        return _Segment(*_new_segment(size))
 
     def _drop(self, index: int) -> None:
         seg = self._kept.pop(index)
