@@ -2,7 +2,7 @@
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.hotweights-installed
-EXTRAS ?= cpu,dev
+EXTRAS ?= cpu,dev,trl,docs
 
 .PHONY: setup test test-slow demo bench lint clean
 
