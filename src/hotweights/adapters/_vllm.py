@@ -14,6 +14,7 @@ from hotweights.core.manifest import ExpectedWeights, WeightUpdateManifest
 from hotweights.core.report import PhaseTimer
 from hotweights.engine import compat
 from hotweights.engine.expected import expected_weights
+from hotweights.telemetry import bucket_progress
 from hotweights.transports import Descriptor, WeightTransport, make_transport
 
 __all__ = ["VLLMEngineAdapter", "VLLMTransportAdapter"]
@@ -117,8 +118,9 @@ class VLLMTransportAdapter(VLLMEngineAdapter):
         whole_layers: bool = False,
     ) -> None:
         """Every bucket of ``manifest`` through the transport; ``stage(bucket, descriptor)`` hands one over."""
-        with timer("transfer"):
-            for bucket in plan_buckets(manifest, self.bucket_size, whole_layers=whole_layers):
+        plan = plan_buckets(manifest, self.bucket_size, whole_layers=whole_layers)
+        with timer("transfer"), bucket_progress(plan, f"{self.label} v{manifest.weight_version}") as buckets:
+            for bucket in buckets:
 
                 def deliver(descriptor: Descriptor, bucket: Bucket = bucket) -> None:
                     stage(bucket, descriptor)

@@ -28,6 +28,7 @@ from hotweights.core.gate import ServingGate
 from hotweights.core.layout import SUPPORTED_FORMATS
 from hotweights.core.manifest import ExpectedWeights, TensorsLike, WeightUpdateManifest, _as_items
 from hotweights.core.report import InstallReport, PhaseTimer
+from hotweights.telemetry import log_report
 
 __all__ = ["PrefixCachePolicy", "WeightInstallAdapter"]
 
@@ -111,7 +112,7 @@ class WeightInstallAdapter(ABC):
                 "raise lock_timeout"
             )
         try:
-            return self._install_locked(manifest, _as_items(tensors), force)
+            return log_report(self._install_locked(manifest, _as_items(tensors), force))
         finally:
             self._lock.release()
 

@@ -15,6 +15,8 @@ class InstallReport(BaseModel):
     """The outcome of one successful install.
 
     ``phases`` holds wall seconds per phase, in order (e.g. ``validate``, ``install``, ``reset_prefix_cache``).
+    ``str(report)`` is the one-line summary that :mod:`hotweights.telemetry` logs; :meth:`to_dict` flattens it
+    for metric loggers.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -48,6 +50,44 @@ class InstallReport(BaseModel):
     def gbps(self) -> float:
         """Installed gigabytes (1e9 bytes) per second of total time."""
         return self.num_bytes / 1e9 / self.seconds if self.seconds > 0 else float("inf")
+
+    def to_dict(self, prefix: str = "hotweights/") -> dict[str, float | int | str | bool | None]:
+        """The report as one flat dict of scalars, for metric loggers (wandb, trackio, TensorBoard).
+
+        Keys are ``prefix`` + the field name; ``skipped`` becomes its count (``num_skipped``), the totals
+        ``seconds`` and ``gbps`` are included (``gbps`` is None when no time was measured), and each phase becomes
+        ``phase/<name>_s``.
+
+        Args:
+            prefix: put before every key; ``""`` for bare names.
+
+        Example:
+            >>> r = InstallReport(update_id="u1", weight_version=12, previous_version=11, adapter="multiprocess-shm",
+            ...                   num_tensors=27, num_bytes=2_000_000, prefix_cache_reset=True,
+            ...                   phases={"validate": 0.001, "transfer": 0.003})
+            >>> d = r.to_dict()
+            >>> d["hotweights/weight_version"], d["hotweights/gbps"], d["hotweights/phase/transfer_s"]
+            (12, 0.5, 0.003)
+            >>> sorted(r.to_dict(prefix=""))[:4]
+            ['adapter', 'digests_verified', 'engine_weight_version', 'gbps']
+        """
+        seconds = self.seconds
+        flat: dict[str, float | int | str | bool | None] = {
+            "update_id": self.update_id,
+            "weight_version": self.weight_version,
+            "previous_version": self.previous_version,
+            "adapter": self.adapter,
+            "num_tensors": self.num_tensors,
+            "num_bytes": self.num_bytes,
+            "num_skipped": len(self.skipped),
+            "prefix_cache_reset": self.prefix_cache_reset,
+            "engine_weight_version": self.engine_weight_version,
+            "digests_verified": self.digests_verified,
+            "seconds": seconds,
+            "gbps": self.gbps if seconds > 0 else None,
+        }
+        flat.update({f"phase/{name}_s": s for name, s in self.phases.items()})
+        return {prefix + key: value for key, value in flat.items()}
 
     def __str__(self) -> str:
         phases = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in self.phases.items())
