@@ -5,17 +5,17 @@ Runs on CPU with no hub access (the model is built locally). ``make demo`` sets 
 
 from __future__ import annotations
 
-import os
 import tempfile
 import time
 
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine runs in this process
-os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+from _quiet import quiet
 
-import torch
+quiet()  # before torch and vLLM are imported; also runs the engine in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0)
 
-import hotweights
-from hotweights.testing import (
+import torch  # noqa: E402
+
+import hotweights  # noqa: E402
+from hotweights.testing import (  # noqa: E402
     PROMPTS,
     build_tiny_model,
     greedy_hf,
@@ -49,7 +49,7 @@ def main() -> None:
     t0 = time.perf_counter()
     policy = build_tiny_model("qwen2", seed=0)
     with tempfile.TemporaryDirectory() as tmp:
-        llm = start_engine(save_tiny_model(policy, tmp))
+        llm = start_engine(save_tiny_model(policy, tmp), use_tqdm_on_load=False)
         print(f"\nengine up in {time.perf_counter() - t0:.1f} s")
         before = greedy_vllm(llm, max_tokens=4)
         print(f"before:  first tokens {[o[0] for o in before]}  (target {TARGET})")
