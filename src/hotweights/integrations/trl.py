@@ -1,0 +1,200 @@
+"""TRL trainers that generate through vLLM sync their weights through hotweights: ``attach(trainer)``.
+
+Works with every trainer that holds a ``trl.generation.vllm_generation.VLLMGeneration`` as
+``trainer.vllm_generation`` (``GRPOTrainer``, ``RLOOTrainer``, the distillation trainers, with ``use_vllm=True``).
+TRL's own ``sync_weights`` pushes one tensor at a time through ``model.load_weights``; after ``attach`` each sync
+gathers every tensor exactly as TRL does (DeepSpeed ZeRO-3, FSDP1/2, PEFT merge and name clean-up, through TRL's
+own ``VLLMGeneration._iter_named_params``), casts floating tensors to the engine's dtype and makes **one** atomic
+:func:`hotweights.install` with ``weight_version = trainer.state.global_step``.
+
+TRL is imported only inside these functions: ``import hotweights`` never imports it.
+
+Example:
+    >>> trainer = GRPOTrainer(model=..., args=GRPOConfig(use_vllm=True, vllm_mode="colocate"), ...)  # doctest: +SKIP
+    >>> sync = hotweights.integrations.trl.attach(trainer)                                        # doctest: +SKIP
+    >>> trainer.train()                                                                           # doctest: +SKIP
+    >>> print(sync.last_report)                                                                   # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+
+import hotweights
+from hotweights._install import install
+from hotweights.core.errors import EngineNotSupportedError, HotWeightsError
+from hotweights.core.report import InstallReport
+from hotweights.engine import compat
+
+__all__ = ["TRLWeightSync", "attach"]
+
+_TESTED_TRL = "trl==1.16.0"
+# Options of hotweights.install that attach() accepts; the rest (llm, tensors, weight_version) it supplies itself.
+_INSTALL_OPTIONS = frozenset(inspect.signature(install).parameters) - {"llm", "tensors", "weight_version", "update_id"}
+
+
+class TRLWeightSync:
+    """What :func:`attach` returns: replaces ``trainer.vllm_generation.sync_weights`` until :meth:`detach`.
+
+    Attributes:
+        reports: one :class:`~hotweights.InstallReport` per install made by this handle, oldest first (empty on
+            the ranks that do not hold the engine: every rank still takes part in the gather).
+    """
+
+    def __init__(self, trainer: Any, target: Any, dtype: torch.dtype | None, options: dict[str, Any]) -> None:
+        self.trainer = trainer
+        self.generation: Any = trainer.vllm_generation
+        self.target = target
+        """What installs go to: the colocated ``vllm.LLM``, the ``hotweights.connect`` client, or None on ranks
+        that only take part in the gather."""
+        self.dtype = dtype
+        """The engine's dtype: floating tensors are cast to it (None: sent as they are)."""
+        self.options = options
+        self.reports: list[InstallReport] = []
+        self._attached = True
+
+    @property
+    def last_report(self) -> InstallReport | None:
+        """The report of the latest install (None before the first one)."""
+        return self.reports[-1] if self.reports else None
+
+    def sync(self) -> InstallReport | None:
+        """Gather the trainer's weights (every rank must call it, like TRL's ``sync_weights``) and install them in
+        one atomic update versioned ``trainer.state.global_step``. Returns the report where this rank installs."""
+        gen = self.generation
+        if gen.mode == "colocate" and gen.enable_sleep_mode:
+            # As TRL does: map the weights' memory back before writing into it.
+            _empty_device_cache()
+            gen.llm.wake_up(tags=["weights"])
+            gen._llm_weights_sleeping = False
+        tensors: dict[str, torch.Tensor] = {}
+        copy = _gathered_views(gen)
+        for name, param in gen._iter_named_params():  # a collective under ZeRO-3/FSDP: every rank iterates
+            if self.target is None:
+                continue
+            tensor = param.detach()
+            if self.dtype is not None and tensor.is_floating_point() and tensor.dtype != self.dtype:
+                tensor = tensor.to(self.dtype)
+            elif copy:
+                tensor = tensor.clone()  # the view is released (ZeRO-3) or unmerged (PEFT) when the gather ends
+            tensors[name] = tensor
+        if self.target is None:
+            return None
+        version = int(self.trainer.state.global_step)
+        last = self.last_report
+        # TRL re-pushes the same step after sleep level 2 discarded the weights: the same version is legitimate.
+        force = bool(self.options.get("force", False)) or (last is not None and last.weight_version == version)
+        options = {**self.options, "force": force}
+        report = install(self.target, tensors, weight_version=version, **options)
+        self.reports.append(report)
+        return report
+
+    def detach(self) -> None:
+        """Give ``sync_weights`` back to TRL (and close the server client :func:`attach` opened)."""
+        if not self._attached:
+            return
+        self._attached = False
+        if self.generation.__dict__.get("sync_weights") == self.sync:
+            del self.generation.sync_weights
+        del self.generation._hotweights_sync
+        if self.generation.mode == "server" and self.target is not None:
+            close = getattr(self.target, "close", None)
+            if callable(close):
+                close()
+
+    def __enter__(self) -> TRLWeightSync:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.detach()
+
+
+def attach(trainer: Any, **install_options: Any) -> TRLWeightSync:
+    """Make ``trainer`` (TRL, ``use_vllm=True``) sync its weights through :func:`hotweights.install`.
+
+    Args:
+        trainer: a TRL trainer holding ``trainer.vllm_generation`` (GRPO, RLOO, distillation trainers).
+        **install_options: passed to every :func:`hotweights.install` (``layout``, ``metadata``, ``force``,
+            ``digests``).
+
+    Returns:
+        The handle: ``last_report``, ``reports``, ``sync()`` and ``detach()``.
+
+    Raises:
+        EngineNotSupportedError: the trainer does not generate through vLLM, this TRL version lacks what the
+            integration uses, or server mode is asked for and ``hotweights.connect`` is not available.
+        HotWeightsError: the trainer is already attached.
+        TypeError: an unknown install option.
+
+    Example:
+        >>> sync = hotweights.integrations.trl.attach(trainer, digests=False)  # doctest: +SKIP
+        >>> trainer.train()                                                     # doctest: +SKIP
+    """
+    unknown = sorted(set(install_options) - _INSTALL_OPTIONS)
+    if unknown:
+        raise TypeError(
+            f"attach() got unknown install options {unknown}: pass only {sorted(_INSTALL_OPTIONS)} "
+            "(weight_version is the trainer's global step)"
+        )
+    gen = getattr(trainer, "vllm_generation", None)
+    if gen is None:
+        raise EngineNotSupportedError(
+            f"{type(trainer).__name__} has no vllm_generation: build it with use_vllm=True "
+            "(GRPOTrainer, RLOOTrainer or a distillation trainer) before calling attach()"
+        )
+    if getattr(gen, "_hotweights_sync", None) is not None:
+        raise HotWeightsError("this trainer is already attached to hotweights: call detach() on the first handle")
+    if not callable(getattr(gen, "_iter_named_params", None)):
+        raise EngineNotSupportedError(
+            f"this TRL's VLLMGeneration has no _iter_named_params (the gather hotweights reuses): install "
+            f"{_TESTED_TRL} (pip install 'hotweights[trl]')"
+        )
+    target: Any = None
+    dtype: torch.dtype | None = None
+    if gen.mode == "colocate":
+        target = gen.llm  # every colocated rank holds its own engine (or its TP shard's)
+        dtype = compat.engine_dtype(target)
+    elif gen.mode == "server":
+        connect = getattr(hotweights, "connect", None)
+        if connect is None:
+            raise EngineNotSupportedError(
+                "TRL server mode needs hotweights.connect(url) to reach the vLLM server, and this hotweights has "
+                "none: use vllm_mode='colocate', or upgrade hotweights"
+            )
+        if trainer.accelerator.is_main_process:  # as in TRL: only the main process talks to the server
+            url = gen.server_base_url or f"http://{gen.server_host}:{gen.server_port}"
+            target = connect(url)
+            dtype = _remote_dtype(target)
+    else:
+        raise EngineNotSupportedError(f"unknown TRL vllm_mode {gen.mode!r}: use 'colocate' or 'server'")
+    handle = TRLWeightSync(trainer, target, dtype, dict(install_options))
+    gen._hotweights_sync = handle
+    gen.sync_weights = handle.sync  # an instance attribute: detach() deletes it and TRL's method is back
+    return handle
+
+
+def _gathered_views(gen: Any) -> bool:
+    """Whether the tensors TRL yields stop being valid once its gather ends (ZeRO-3, FSDP1, PEFT merge)."""
+    from accelerate.utils import is_peft_model
+
+    dist = getattr(gen, "_dist", None)
+    return bool(
+        is_peft_model(gen.model) or getattr(dist, "is_zero3", False) or getattr(dist, "fsdp_version", None) == 1
+    )
+
+
+def _remote_dtype(client: Any) -> torch.dtype | None:
+    """The served dtype a ``hotweights.connect`` client reports, if it reports one."""
+    dtype = getattr(client, "dtype", None)
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype.removeprefix("torch."), None)
+    return dtype if isinstance(dtype, torch.dtype) else None
+
+
+def _empty_device_cache() -> None:
+    from trl.generation.vllm_generation import empty_cache
+
+    empty_cache()
