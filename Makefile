@@ -31,6 +31,11 @@ demo: $(STAMP)
 bench: $(STAMP)
 	$(PY) benchmarks/bench_install.py
 
+## the docs site (mkdocs-material; API reference generated from the docstrings) into site/, warnings are errors
+.PHONY: docs
+docs: $(STAMP)
+	$(PY) -m mkdocs build --strict -d site
+
 lint: $(STAMP)
 	$(PY) -m ruff check src tests benchmarks examples
 	$(PY) -m ruff format --check src tests benchmarks examples

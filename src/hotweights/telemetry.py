@@ -11,7 +11,7 @@
   environment or :func:`set_progress` (``False``).
 - **Metrics.** :meth:`hotweights.InstallReport.to_dict` flattens a report for wandb- or trackio-style loggers.
 
-Example:
+Examples:
     >>> import logging
     >>> import hotweights.telemetry
     >>> logging.getLogger("hotweights").setLevel(logging.INFO)   # with a handler of your own, e.g. basicConfig

@@ -302,3 +302,72 @@ def test_detach_gives_sync_weights_back() -> None:
         handle.detach()
         assert trainer.vllm_generation.sync_weights() == "trl"
         attach(trainer).detach()  # attachable again
+
+
+class _FakeGeneration:
+    """What attach() reads of TRL's VLLMGeneration, in server mode; counts the gathers every rank takes part in."""
+
+    mode = "server"
+    enable_sleep_mode = False
+    server_base_url = None
+    server_host = "10.0.0.7"
+    server_port = 8123
+
+    def __init__(self) -> None:
+        self.model = torch.nn.Linear(4, 2)
+        self.gathers = 0
+
+    def _iter_named_params(self) -> Iterator[tuple[str, torch.Tensor]]:
+        self.gathers += 1
+        for name, param in self.model.named_parameters():
+            yield name, param.data
+
+
+def _fake_trainer(main: bool) -> Any:
+    class Accelerator:
+        is_main_process = main
+
+    class State:
+        global_step = 0
+
+    class Trainer:
+        vllm_generation = _FakeGeneration()
+        accelerator = Accelerator()
+        state = State()
+
+    return Trainer()
+
+
+def test_server_mode_installs_once_per_sync_on_the_main_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    import hotweights.integrations.trl as integration
+
+    class Client:
+        dtype = "bfloat16"
+
+    urls: list[str] = []
+    calls: list[tuple[Any, dict[str, torch.Tensor], int, dict[str, Any]]] = []
+
+    def fake_install(target: Any, tensors: dict[str, torch.Tensor], *, weight_version: int, **kw: Any) -> Any:
+        calls.append((target, dict(tensors), weight_version, kw))
+        return hotweights.InstallReport(
+            update_id="u", weight_version=weight_version, previous_version=None, adapter="fake", num_tensors=2,
+            num_bytes=0, prefix_cache_reset=True,
+        )  # fmt: skip
+
+    monkeypatch.setattr(hotweights, "connect", lambda url: urls.append(url) or Client(), raising=False)
+    monkeypatch.setattr(integration, "install", fake_install)
+    trainer = _fake_trainer(main=True)
+    handle = attach(trainer, digests=True)
+    assert urls == ["http://10.0.0.7:8123"]
+    trainer.state.global_step = 5
+    report = trainer.vllm_generation.sync_weights()  # what TRL calls
+    assert report is handle.last_report and report.weight_version == 5
+    target, tensors, version, kw = calls[-1]
+    assert isinstance(target, Client) and version == 5 and kw == {"digests": True, "force": False}
+    assert sorted(tensors) == ["bias", "weight"] and all(t.dtype == torch.bfloat16 for t in tensors.values())
+    handle.sync()  # the same step again (TRL re-pushes after sleep level 2): allowed
+    assert calls[-1][3]["force"] is True and len(handle.reports) == 2
+
+    other = _fake_trainer(main=False)  # a rank that only takes part in the gather
+    other_handle = attach(other)
+    assert other_handle.sync() is None and other.vllm_generation.gathers == 1 and len(calls) == 2

@@ -61,7 +61,7 @@ class InstallReport(BaseModel):
         Args:
             prefix: put before every key; ``""`` for bare names.
 
-        Example:
+        Examples:
             >>> r = InstallReport(update_id="u1", weight_version=12, previous_version=11, adapter="multiprocess-shm",
             ...                   num_tensors=27, num_bytes=2_000_000, prefix_cache_reset=True,
             ...                   phases={"validate": 0.001, "transfer": 0.003})
@@ -100,7 +100,7 @@ class InstallReport(BaseModel):
 class PhaseTimer:
     """Collects wall seconds per named phase.
 
-    Example:
+    Examples:
         >>> t = PhaseTimer()
         >>> with t("validate"):
         ...     pass

@@ -187,8 +187,14 @@ def _gathered_views(gen: Any) -> bool:
 
 
 def _remote_dtype(client: Any) -> torch.dtype | None:
-    """The served dtype a ``hotweights.connect`` client reports, if it reports one."""
+    """The dtype a ``hotweights.connect`` client serves: its ``dtype``, else the one dtype of the floating tensors
+    its ``expected_weights()`` lists; None when it tells neither (tensors then travel as they are)."""
     dtype = getattr(client, "dtype", None)
+    if dtype is None and callable(getattr(client, "expected_weights", None)):
+        expected = client.expected_weights()
+        found = {spec.torch_dtype for spec in expected.tensors.values()} if expected is not None else set()
+        floating = {d for d in found if d.is_floating_point}
+        dtype = floating.pop() if len(floating) == 1 else None
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype.removeprefix("torch."), None)
     return dtype if isinstance(dtype, torch.dtype) else None
