@@ -41,3 +41,5 @@ def quiet() -> None:
     logging.getLogger("vllm").setLevel(os.environ["VLLM_LOGGING_LEVEL"].upper())
     # torch.distributed.reduce_op FutureWarnings raised while vLLM's Triton shims import
     warnings.filterwarnings("ignore", category=FutureWarning)
+    # in a notebook without ipywidgets, "TqdmWarning: IProgress not found" when vLLM imports tqdm.auto
+    warnings.filterwarnings("ignore", message="IProgress not found")
