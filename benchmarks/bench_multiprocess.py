@@ -8,6 +8,11 @@ hotweights' worker extension) and times ``VLLMMultiprocessAdapter`` per transpor
 tokens with HF transformers on B (exit 1 on a mismatch) and samples the RSS of this process, of its child
 processes and the use of /dev/shm every ~5 ms during one more shm install of B.
 
+Beside the extension paths, the same run times the zero-configuration path (``VLLMWeightsPathAdapter``: vLLM's
+built-in ``reload_weights(weights_path=...)`` from a private /dev/shm checkpoint, what ``hotweights.install`` takes on a
+plain ``LLM``) and ``hotweights.install_async`` into an ``AsyncLLM`` (with and without the extension), and how long a
+request in flight waits for an install under ``pause="wait"``.
+
 Run: ``.venv/bin/python benchmarks/bench_multiprocess.py [--models 150m,many] [--repeats 3] [--size tiny]``.
 ``--size tiny`` is a quick smoke run (under 90 s; only the "many" model unless ``--models`` is given).
 """
@@ -33,6 +38,7 @@ from hotweights import (
     InstallReport,
     VLLMInProcessWeightReloadAdapter,
     VLLMMultiprocessAdapter,
+    VLLMWeightsPathAdapter,
     WeightInstallAdapter,
     WeightTransport,
     WeightUpdateManifest,
@@ -55,6 +61,7 @@ MODELS: dict[str, dict[str, dict[str, Any]]] = {
     "many": {"full": {"layers": 24}, "tiny": {"layers": 6}},  # hidden 128, 12 tensors per layer
 }
 IN_PROCESS = "in-process adapter"
+ZERO_CONFIG = "zero-config: vLLM reload_weights(weights_path), /dev/shm checkpoint"
 KEPT_DIRECT = "multiprocess shm, kept segments, direct setter"
 KEPT_STREAMING = "multiprocess shm, kept segment, direct setter, streaming"
 #: The issue's baseline, "one collective_rpc per tensor inside one reload session": each RPC carries one tensor and
@@ -247,6 +254,10 @@ def bench_model(name: str, size: str, repeats: int, tmp: Path) -> tuple[list[Row
             (PER_TENSOR, "bytes", 1, "reload-streaming"),
             (PER_TENSOR_STAGED, "bytes", 1, "reload"),
         ]
+        zero = run.adopt(VLLMWeightsPathAdapter(llm))  # what hotweights.install takes on a plain LLM
+        rows.append(
+            (name, ZERO_CONFIG, nbytes, median_seconds(f"[{name}] {ZERO_CONFIG}", partial(run, zero), pair, repeats))
+        )
         stages: list[float] = []  # seconds inside shm's stage RPCs, per install
         for label, transport, bucket, how in methods:
             method, _, commit = how.partition("-")
@@ -301,11 +312,91 @@ def bench_model(name: str, size: str, repeats: int, tmp: Path) -> tuple[list[Row
                 adapters.append(mp)  # a kept segment is created by this install and stays: it counts in the peak
                 label = f"{name}, {commit}, {method}" + (", kept segment" if keep else "")
                 report_memory(label, mp, pair[1], run.version)
-        return rows, ok
     finally:
         for mp in adapters:
             mp.close()
         stop_engine(llm)
+    rows += bench_async(name, path, pair, repeats)
+    return rows, ok
+
+
+def bench_async(name: str, path: Path, pair: tuple[StateDict, StateDict], repeats: int) -> list[Row]:
+    """``hotweights.install_async`` into an ``AsyncLLM`` (without, then with the extension), on an event loop in a
+    thread as in an async trainer; then one install while a 64-token request is in flight (``pause="wait"``)."""
+    import asyncio
+
+    from vllm import SamplingParams
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    from hotweights.testing import BLOCK_SIZE
+
+    loop = asyncio.new_event_loop()
+    threading.Thread(target=loop.run_forever, daemon=True).start()
+    nbytes = sum(t.nbytes for t in pair[0].values())
+    rows: list[Row] = []
+
+    def on_loop(coro: Any) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, loop).result(600)
+
+    async def build(**extra: Any) -> Any:
+        args = AsyncEngineArgs(
+            model=str(path), skip_tokenizer_init=True, dtype="float32", max_model_len=128, enforce_eager=True,
+            max_num_seqs=4, seed=0, kv_cache_memory_bytes=64 << 20, block_size=BLOCK_SIZE, **extra,
+        )  # fmt: skip
+        return AsyncLLM.from_engine_args(args)
+
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
+    for label, extra in [
+        ("AsyncLLM, install_async, zero-config", {}),
+        ("AsyncLLM, install_async, extension (shm)", {"worker_extension_cls": hotweights.WORKER_EXTENSION}),
+    ]:
+        engine = on_loop(build(**extra))
+        version = 0
+
+        def step(sd: StateDict, engine: Any = engine) -> float:
+            nonlocal version
+            version += 1
+            t0 = time.perf_counter()
+            on_loop(hotweights.install_async(engine, sd, weight_version=version))
+            return time.perf_counter() - t0
+
+        try:
+            rows.append((name, label, nbytes, median_seconds(f"[{name}] {label}", step, pair, repeats)))
+            if not extra:
+                in_flight_wait(name, engine, pair[1], version + 1, on_loop, SamplingParams)
+        finally:
+            engine.shutdown()
+    loop.call_soon_threadsafe(loop.stop)
+    return rows
+
+
+def in_flight_wait(name: str, engine: Any, sd: StateDict, version: int, on_loop: Any, sampling: Any) -> None:
+    """How long a request in flight holds an install back under ``pause="wait"``, against the install itself."""
+    import asyncio
+
+    sp = sampling(temperature=0.0, max_tokens=64, ignore_eos=True, detokenize=False)
+
+    async def request(rid: str, started: asyncio.Event) -> float:
+        t0 = time.perf_counter()
+        async for _ in engine.generate({"prompt_token_ids": PROMPTS[-1]}, sp, request_id=rid):
+            started.set()
+        return time.perf_counter() - t0
+
+    async def scenario() -> tuple[float, float, InstallReport]:
+        alone = await request("bench-alone", asyncio.Event())
+        started = asyncio.Event()
+        task = asyncio.create_task(request("bench-in-flight", started))
+        await started.wait()
+        report = await hotweights.install_async(engine, sd, weight_version=version, pause="wait")
+        return alone, await task, report
+
+    alone, with_install, report = on_loop(scenario())
+    waited = report.phases.get("wait_generation", 0.0)
+    print(
+        f"[{name}] pause='wait', one 64-token request in flight: the install waited {waited:.3f} s for it and then "
+        f"took {report.seconds - waited:.3f} s; the request took {with_install:.3f} s (alone: {alone:.3f} s)"
+    )
 
 
 def table(rows: list[Row]) -> str:

@@ -5,14 +5,16 @@ Example:
     >>> report = hotweights.install(llm, model.state_dict(), weight_version=step)    # doctest: +SKIP
 """
 
-from hotweights._install import adapter_for, install
+from hotweights._install import adapter_for, install, install_async
 from hotweights.adapters.base import PrefixCachePolicy, WeightInstallAdapter
 from hotweights.adapters.direct import VLLMDirectSetterAdapter
 from hotweights.adapters.inprocess import VLLMInProcessWeightReloadAdapter
 from hotweights.adapters.multiprocess import VLLMMultiprocessAdapter
 from hotweights.adapters.native import VLLMWeightTransferAdapter
+from hotweights.adapters.weights_path import VLLMWeightsPathAdapter
 from hotweights.core.errors import (
     EngineNotSupportedError,
+    EngineSleepingError,
     HotWeightsError,
     HotWeightsTimeoutError,
     InstallError,
@@ -26,13 +28,16 @@ from hotweights.core.layout import WeightLayout
 from hotweights.core.manifest import ExpectedWeights, TensorSpec, WeightUpdateManifest
 from hotweights.core.report import InstallReport
 from hotweights.engine.compat import WORKER_EXTENSION
+from hotweights.handles import EngineHandle, PauseMode, as_engine
 from hotweights.transports import WeightTransport, available_transports, make_transport, register_transport
 
 __version__ = "0.1.0"
 
 __all__ = [
     "WORKER_EXTENSION",
+    "EngineHandle",
     "EngineNotSupportedError",
+    "EngineSleepingError",
     "ExpectedWeights",
     "HotWeightsError",
     "HotWeightsTimeoutError",
@@ -40,6 +45,7 @@ __all__ = [
     "InstallReport",
     "Mismatch",
     "PartialUpdateError",
+    "PauseMode",
     "PrefixCachePolicy",
     "StaleWeightVersionError",
     "TensorSpec",
@@ -48,14 +54,17 @@ __all__ = [
     "VLLMInProcessWeightReloadAdapter",
     "VLLMMultiprocessAdapter",
     "VLLMWeightTransferAdapter",
+    "VLLMWeightsPathAdapter",
     "WeightInstallAdapter",
     "WeightLayout",
     "WeightManifestValidationError",
     "WeightTransport",
     "WeightUpdateManifest",
     "adapter_for",
+    "as_engine",
     "available_transports",
     "install",
+    "install_async",
     "make_transport",
     "register_transport",
 ]

@@ -1,7 +1,8 @@
-"""``hotweights.install(llm, tensors, weight_version=...)``: one call from a trainer loop."""
+"""``hotweights.install(engine, tensors, weight_version=...)``: one call from a trainer loop, for any engine."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from collections.abc import Mapping
 from typing import Any
@@ -10,39 +11,60 @@ from hotweights.adapters.base import WeightInstallAdapter
 from hotweights.adapters.inprocess import VLLMInProcessWeightReloadAdapter
 from hotweights.adapters.multiprocess import VLLMMultiprocessAdapter
 from hotweights.adapters.native import VLLMWeightTransferAdapter
+from hotweights.adapters.weights_path import VLLMWeightsPathAdapter
+from hotweights.core.errors import EngineNotSupportedError
 from hotweights.core.layout import WeightLayout
 from hotweights.core.manifest import MetadataValue, TensorsLike, WeightUpdateManifest, _as_items
 from hotweights.core.report import InstallReport
 from hotweights.engine import compat
 from hotweights.engine.vllm_plugin import BACKEND
+from hotweights.handles import EngineHandle, PauseMode, as_engine
 
-__all__ = ["adapter_for", "install"]
+__all__ = ["adapter_for", "install", "install_async"]
 
-# The adapter lives on the engine object itself: it holds the engine, so a registry keyed by the engine would keep
-# every engine alive. Stored on the LLM, both go together when the user drops the LLM.
+# The adapter lives on the engine handle (itself kept on the engine object): a registry keyed by the engine would
+# keep every engine alive. When the user drops the engine, all three go together.
 _ATTR = "_hotweights_adapter"
 _ADAPTERS_LOCK = threading.Lock()
 
 
-def adapter_for(llm: Any) -> WeightInstallAdapter:
-    """The adapter that fits ``llm``, created on first use and kept for the engine's lifetime (it holds the
-    active version): in-process reload for in-process engines, shared memory for multiprocess ones (started with
-    ``worker_extension_cls=hotweights.WORKER_EXTENSION``; without it, :class:`EngineNotSupportedError` says so)."""
+def adapter_for(engine: Any) -> WeightInstallAdapter:
+    """The adapter that fits ``engine``, created on first use and kept for the engine's lifetime (it holds the
+    active version).
+
+    ``engine`` is a ``vllm.LLM``, an ``AsyncLLM`` or an :class:`~hotweights.handles.EngineHandle`. The choice:
+
+    - workers in this process: :class:`VLLMInProcessWeightReloadAdapter` (tensors by reference);
+    - started with ``worker_extension_cls=hotweights.WORKER_EXTENSION``: :class:`VLLMMultiprocessAdapter`
+      (bucketed shm staging, all-or-nothing commit);
+    - started with ``weight_transfer_config={"backend": "hotweights"}``: :class:`VLLMWeightTransferAdapter`;
+    - anything else on this host: :class:`VLLMWeightsPathAdapter`, through vLLM's built-in
+      ``reload_weights(weights_path=...)``.
+    """
+    handle = as_engine(engine)
     with _ADAPTERS_LOCK:
-        adapter: WeightInstallAdapter | None = getattr(llm, _ATTR, None)
+        adapter: WeightInstallAdapter | None = getattr(handle, _ATTR, None)
         if adapter is None:
-            if compat.engine_mode(llm) == "inprocess":
-                adapter = VLLMInProcessWeightReloadAdapter(llm)
-            elif compat.weight_transfer_backend(llm) == BACKEND and not compat.worker_extension(llm):
-                adapter = VLLMWeightTransferAdapter(llm, transport="shm")
+            if handle.inprocess:
+                adapter = VLLMInProcessWeightReloadAdapter(getattr(handle, "llm", engine))
+            elif handle.worker_extension == compat.WORKER_EXTENSION:
+                adapter = VLLMMultiprocessAdapter(engine, transport=handle.default_transport)
+            elif handle.weight_transfer_backend == BACKEND:
+                adapter = VLLMWeightTransferAdapter(engine, transport=handle.default_transport)
+            elif handle.same_host:
+                adapter = VLLMWeightsPathAdapter(engine)
             else:
-                adapter = VLLMMultiprocessAdapter(llm, transport="shm")
-            setattr(llm, _ATTR, adapter)
+                raise EngineNotSupportedError(
+                    f"{handle.describe()} runs on another host and was started with neither hotweights' worker "
+                    f"extension nor its weight-transfer backend; start it with --worker-extension-cls "
+                    f'{compat.WORKER_EXTENSION} or --weight-transfer-config \'{{"backend": "{BACKEND}"}}\''
+                )
+            setattr(handle, _ATTR, adapter)
         return adapter
 
 
 def install(
-    llm: Any,
+    engine: Any,
     tensors: TensorsLike,
     *,
     weight_version: int,
@@ -51,24 +73,100 @@ def install(
     metadata: Mapping[str, MetadataValue] | None = None,
     force: bool = False,
     digests: bool = False,
+    pause: PauseMode = "wait",
+    adapter: WeightInstallAdapter | None = None,
 ) -> InstallReport:
-    """Install ``tensors`` (checkpoint format, e.g. ``model.state_dict()``) into a running ``vllm.LLM``.
+    """Install ``tensors`` (checkpoint format, e.g. ``model.state_dict()``) into a running engine.
 
     Builds the manifest, validates it against the tensors and the engine, installs through the adapter that fits
-    the engine, resets the prefix cache and returns the report. ``digests=True`` hashes every tensor so the
-    engine verifies the bytes it received before installing (see ``InstallReport.digests_verified``).
+    the engine (see :func:`adapter_for`; the report names it), resets the prefix cache, records the version in the
+    engine and returns the report. ``digests=True`` hashes every tensor so the engine verifies the bytes it
+    received before installing (see ``InstallReport.digests_verified``).
+
+    Args:
+        engine: a ``vllm.LLM`` (in-process or multiprocess, any tensor-parallel size, with or without hotweights'
+            worker extension) or an engine handle. An ``AsyncLLM`` goes through :func:`install_async`.
+        pause: what happens to requests in flight, for engines with a scheduler to pause (see
+            :data:`~hotweights.handles.PauseMode`). A ``vllm.LLM`` always waits for running generation calls.
+        adapter: install through this adapter (built on ``engine``, e.g. ``VLLMMultiprocessAdapter(engine,
+            commit="streaming")``) instead of the one :func:`adapter_for` picks.
 
     Raises:
         WeightManifestValidationError: the tensors do not match what the engine serves; nothing was written.
         StaleWeightVersionError: ``weight_version`` is not newer than the active one (pass ``force=True``).
-        EngineNotSupportedError: no adapter fits this engine.
+        EngineNotSupportedError: ``engine`` is not an engine hotweights reaches (or is an ``AsyncLLM``).
+        EngineSleepingError: the engine is asleep; wake it first. Nothing was written.
+        InstallError: the engine failed while installing.
 
     Example:
         >>> report = hotweights.install(llm, model.state_dict(), weight_version=step)  # doctest: +SKIP
         >>> print(report)                                                               # doctest: +SKIP
     """
+    handle = as_engine(engine)
+    if handle.kind == "async_llm":
+        raise EngineNotSupportedError(
+            "this is an AsyncLLM: its calls are awaited on its event loop, so install from async code with "
+            "`report = await hotweights.install_async(engine, tensors, weight_version=step)`"
+        )
+    args = (engine, tensors, weight_version, update_id, layout, metadata)
+    return _install(*args, force=force, digests=digests, pause=pause, adapter=adapter)
+
+
+async def install_async(
+    engine: Any,
+    tensors: TensorsLike,
+    *,
+    weight_version: int,
+    update_id: str | None = None,
+    layout: WeightLayout | None = None,
+    metadata: Mapping[str, MetadataValue] | None = None,
+    force: bool = False,
+    digests: bool = False,
+    pause: PauseMode = "wait",
+    adapter: WeightInstallAdapter | None = None,
+) -> InstallReport:
+    """:func:`install` for async code: same arguments, report and errors; works on any engine, and is the way to
+    install into an ``AsyncLLM`` (await it on the loop the engine runs on).
+
+    Validation, packing and copying run in a worker thread, so the event loop keeps serving. Requests in flight
+    are handled by ``pause``: ``"wait"`` (default) pauses the scheduler once they finished, so no response mixes
+    weights; ``"abort"`` ends them at once (``finish_reason="abort"``; retry them); ``"keep"`` freezes them and they
+    finish on the new weights, so one response can mix two versions: only for off-policy trainers that accept it.
+    Generation is resumed always, also on failure; the prefix cache is reset after the write, then the version is
+    recorded in the engine.
+
+    Example:
+        >>> report = await hotweights.install_async(engine, model.state_dict(), weight_version=step)  # doctest: +SKIP
+    """
+    handle = as_engine(engine)
+    if handle.kind == "async_llm":
+        from hotweights.handles.async_llm import AsyncLLMHandle
+
+        assert isinstance(handle, AsyncLLMHandle)
+        handle.bind(asyncio.get_running_loop(), pause)
+    args = (engine, tensors, weight_version, update_id, layout, metadata)
+    return await asyncio.to_thread(_install, *args, force=force, digests=digests, pause=pause, adapter=adapter)
+
+
+def _install(
+    engine: Any,
+    tensors: TensorsLike,
+    weight_version: int,
+    update_id: str | None,
+    layout: WeightLayout | None,
+    metadata: Mapping[str, MetadataValue] | None,
+    *,
+    force: bool,
+    digests: bool,
+    pause: PauseMode,
+    adapter: WeightInstallAdapter | None,
+) -> InstallReport:
+    handle: EngineHandle = as_engine(engine)
+    if adapter is not None and getattr(adapter, "engine", handle) is not handle:
+        raise ValueError("adapter= was built on another engine than the one passed to install; build it on this one")
+    handle.set_pause_mode(pause)
     items = _as_items(tensors)
     manifest = WeightUpdateManifest.from_state_dict(
         items, weight_version=weight_version, update_id=update_id, layout=layout, metadata=metadata, digests=digests
     )
-    return adapter_for(llm).install(manifest, items, force=force)
+    return (adapter or adapter_for(engine)).install(manifest, items, force=force)

@@ -10,6 +10,7 @@ import pytest
 import hotweights
 from hotweights import (
     EngineNotSupportedError,
+    EngineSleepingError,
     HotWeightsError,
     HotWeightsTimeoutError,
     InstallError,
@@ -24,6 +25,7 @@ from hotweights.core.errors import MismatchKind
 
 PUBLIC_ERRORS = [
     EngineNotSupportedError,
+    EngineSleepingError,
     HotWeightsTimeoutError,
     InstallError,
     PartialUpdateError,

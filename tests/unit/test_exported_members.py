@@ -15,7 +15,9 @@ import pytest
 import hotweights
 
 EXPECTED_ALL = [
+    "EngineHandle",
     "EngineNotSupportedError",
+    "EngineSleepingError",
     "ExpectedWeights",
     "HotWeightsError",
     "HotWeightsTimeoutError",
@@ -23,6 +25,7 @@ EXPECTED_ALL = [
     "InstallReport",
     "Mismatch",
     "PartialUpdateError",
+    "PauseMode",
     "PrefixCachePolicy",
     "StaleWeightVersionError",
     "TensorSpec",
@@ -31,6 +34,7 @@ EXPECTED_ALL = [
     "VLLMInProcessWeightReloadAdapter",
     "VLLMMultiprocessAdapter",
     "VLLMWeightTransferAdapter",
+    "VLLMWeightsPathAdapter",
     "WORKER_EXTENSION",
     "WeightInstallAdapter",
     "WeightLayout",
@@ -38,14 +42,20 @@ EXPECTED_ALL = [
     "WeightTransport",
     "WeightUpdateManifest",
     "adapter_for",
+    "as_engine",
     "available_transports",
     "install",
+    "install_async",
     "make_transport",
     "register_transport",
 ]
 
 #: Exports that are type aliases (no runtime ``__doc__``): the module whose source documents them.
-ALIAS_HOMES = {"PrefixCachePolicy": "hotweights.adapters.base", "WORKER_EXTENSION": "hotweights.engine.compat"}
+ALIAS_HOMES = {
+    "PrefixCachePolicy": "hotweights.adapters.base",
+    "PauseMode": "hotweights.handles.base",
+    "WORKER_EXTENSION": "hotweights.engine.compat",
+}
 
 
 def test_all_is_pinned() -> None:
@@ -101,6 +111,7 @@ def test_import_does_not_import_vllm() -> None:
         "import hotweights, sys\n"
         "assert 'vllm' not in sys.modules, 'vllm imported'\n"
         "assert 'transformers' not in sys.modules, 'transformers imported'\n"
+        "assert 'trl' not in sys.modules, 'trl imported'\n"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
     assert proc.returncode == 0, proc.stderr

@@ -1,4 +1,4 @@
-"""What every adapter bound to a ``vllm.LLM`` shares: expected weights, the serving gate, prefix-cache reset,
+"""What every adapter bound to a vLLM engine shares: expected weights, the serving gate, prefix-cache reset,
 version record and recovery; and, for adapters that move buckets through a transport, the bucket loop."""
 
 from __future__ import annotations
@@ -8,12 +8,12 @@ from typing import Any
 
 import torch
 
-from hotweights.adapters.base import PrefixCachePolicy, WeightInstallAdapter
+from hotweights.adapters.base import Items, PrefixCachePolicy, WeightInstallAdapter
 from hotweights.core.buckets import Bucket, default_bucket_bytes, plan_buckets
+from hotweights.core.errors import EngineSleepingError
 from hotweights.core.manifest import ExpectedWeights, WeightUpdateManifest
 from hotweights.core.report import PhaseTimer
-from hotweights.engine import compat
-from hotweights.engine.expected import expected_weights
+from hotweights.handles import EngineHandle, as_engine
 from hotweights.telemetry import bucket_progress
 from hotweights.transports import Descriptor, WeightTransport, make_transport
 
@@ -21,7 +21,8 @@ __all__ = ["VLLMEngineAdapter", "VLLMTransportAdapter"]
 
 
 class VLLMEngineAdapter(WeightInstallAdapter):
-    """Base of the adapters that install into a ``vllm.LLM``."""
+    """Base of the adapters that install into a vLLM engine: a ``vllm.LLM``, an ``AsyncLLM``, or any
+    :class:`~hotweights.handles.EngineHandle`. What differs between engine kinds goes through ``self.engine``."""
 
     def __init__(
         self,
@@ -32,27 +33,40 @@ class VLLMEngineAdapter(WeightInstallAdapter):
         lock_timeout: float | None,
         guard_generation: bool,
     ) -> None:
+        self.engine: EngineHandle = as_engine(llm)
         super().__init__(
-            expected=expected if expected is not None else expected_weights(llm),
+            expected=expected if expected is not None else self.engine.expected_weights(),
             prefix_cache=prefix_cache,
             lock_timeout=lock_timeout,
-            gate=compat.serving_gate(llm) if guard_generation else None,
+            gate=self.engine.gate if guard_generation else None,
         )
         self.llm = llm
+        """The engine object this adapter was given."""
+
+    def _validate(
+        self, manifest: WeightUpdateManifest, items: Items, force: bool
+    ) -> tuple[list[tuple[str, torch.Tensor]], list[tuple[str, str]]]:
+        if self.engine.is_sleeping():  # its weights may be offloaded or discarded: writing them crashes the engine
+            raise EngineSleepingError(
+                f"the engine ({self.engine.describe()}) is asleep, so its weights cannot be written; nothing was "
+                "written. Wake it first (llm.wake_up(), or `await engine.wake_up()` for an AsyncLLM), then install "
+                "again."
+            )
+        return super()._validate(manifest, items, force)
 
     def _reset_prefix_cache(self) -> bool:
-        return compat.reset_prefix_cache(self.llm)
+        return self.engine.reset_prefix_cache()
 
     def _record_engine_version(self, version: str) -> str | None:
-        return compat.set_engine_weight_version(self.llm, version)
+        return self.engine.set_weight_version(version)
 
     def _clear_kv_cache(self) -> int | None:
         """Zero the KV cache; the number of tensors zeroed, or None where it cannot be reached."""
-        return compat.clear_kv_cache_inprocess(self.llm)
+        return self.engine.clear_kv_cache()
 
     def _recover(self) -> str:
         zeroed = self._clear_kv_cache()
-        compat.reset_prefix_cache(self.llm)
+        self.engine.reset_prefix_cache()
         if zeroed is None:
             return "the prefix cache was reset (the KV cache cannot be reached from here)"
         return f"the prefix cache was reset and {zeroed} KV-cache tensors zeroed"
@@ -98,10 +112,10 @@ class VLLMTransportAdapter(VLLMEngineAdapter):
 
     @property
     def num_workers(self) -> int:
-        return compat.num_workers(self.llm)
+        return self.engine.num_workers
 
     def call(self, method: str, *args: Any) -> list[Any]:
-        return compat.rpc(self.llm, method, *args, timeout=self.rpc_timeout)
+        return self.engine.call(method, *args, timeout=self.rpc_timeout)
 
     @staticmethod
     def _sent_manifest(manifest: WeightUpdateManifest, tensors: Mapping[str, torch.Tensor]) -> WeightUpdateManifest:

@@ -24,7 +24,7 @@ from hotweights.core.errors import (
     StaleWeightVersionError,
     WeightManifestValidationError,
 )
-from hotweights.core.gate import ServingGate
+from hotweights.core.gate import WriteGate
 from hotweights.core.layout import SUPPORTED_FORMATS
 from hotweights.core.manifest import ExpectedWeights, TensorsLike, WeightUpdateManifest, _as_items
 from hotweights.core.report import InstallReport, PhaseTimer
@@ -48,8 +48,9 @@ class WeightInstallAdapter(ABC):
         prefix_cache: see :data:`PrefixCachePolicy`.
         lock_timeout: seconds to wait for a concurrent install (and, with a gate, for running generation calls)
             to finish before raising :class:`HotWeightsTimeoutError` (None waits forever).
-        gate: a :class:`~hotweights.core.gate.ServingGate` that the engine's generation calls enter; the install
-            holds it alone while it writes. None: the caller guarantees installs and generation never overlap.
+        gate: a :class:`~hotweights.core.gate.WriteGate` (e.g. the :class:`~hotweights.core.gate.ServingGate` that
+            a ``vllm.LLM``'s generation calls enter); the install holds it alone while it writes. None: the caller
+            guarantees installs and generation never overlap.
     """
 
     #: Short name used in reports.
@@ -67,7 +68,7 @@ class WeightInstallAdapter(ABC):
         expected: ExpectedWeights | None = None,
         prefix_cache: PrefixCachePolicy = "reset",
         lock_timeout: float | None = 600.0,
-        gate: ServingGate | None = None,
+        gate: WriteGate | None = None,
     ) -> None:
         if prefix_cache not in ("reset", "keep"):
             raise ValueError(f"prefix_cache must be 'reset' or 'keep', not {prefix_cache!r}")

@@ -12,6 +12,7 @@ from hotweights.core.errors import EngineNotSupportedError
 from hotweights.core.manifest import ExpectedWeights, WeightUpdateManifest
 from hotweights.core.report import PhaseTimer
 from hotweights.engine import compat
+from hotweights.handles import as_engine
 from hotweights.transports import Descriptor, WeightTransport
 
 __all__ = ["VLLMMultiprocessAdapter"]
@@ -33,7 +34,8 @@ class VLLMMultiprocessAdapter(VLLMTransportAdapter):
     :class:`InstallError`, the KV cache is zeroed, and a full install must follow before serving.
 
     Args:
-        llm: the ``vllm.LLM`` (multiprocess, with the hotweights worker extension).
+        llm: the engine (a multiprocess ``vllm.LLM``, an ``AsyncLLM`` or an engine handle), started with the
+            hotweights worker extension.
         transport: ``"shm"`` (default, same host), ``"bytes"``, or a :class:`WeightTransport` instance.
         bucket_bytes: bucket size (default: the transport's ``preferred_bucket_bytes``, capped at an eighth of
             available memory).
@@ -70,15 +72,16 @@ class VLLMMultiprocessAdapter(VLLMTransportAdapter):
     ) -> None:
         if install_method not in ("reload", "direct"):
             raise ValueError(f"install_method must be 'reload' or 'direct', not {install_method!r}")
-        if compat.worker_extension(llm) != compat.WORKER_EXTENSION:
-            inprocess = compat.engine_mode(llm) == "inprocess"
+        engine = as_engine(llm)
+        if engine.worker_extension != compat.WORKER_EXTENSION:
             raise EngineNotSupportedError(
-                "this engine was not started with hotweights' worker extension, so its workers cannot receive "
-                f"weights; start it with LLM(..., worker_extension_cls={compat.WORKER_EXTENSION!r})"
+                f"this engine ({engine.describe()}) was not started with hotweights' worker extension, which "
+                "VLLMMultiprocessAdapter (and with it streaming commits, kept shm segments and the direct setter) "
+                f"needs; start it with worker_extension_cls={compat.WORKER_EXTENSION!r}"
                 + (
                     " (it runs in this process: VLLMInProcessWeightReloadAdapter needs no extension)"
-                    if inprocess
-                    else ""
+                    if engine.inprocess
+                    else ", or use hotweights.install(engine, ...), which reaches it without the extension"
                 )
             )
         if commit not in ("atomic", "streaming"):
@@ -133,9 +136,6 @@ class VLLMMultiprocessAdapter(VLLMTransportAdapter):
                 summaries = self.call("hotweights_finish", sent.update_id, self.install_method)
         except BaseException:
             with contextlib.suppress(Exception):
-                compat.rpc(self.llm, "hotweights_abort", sent.update_id, timeout=30.0)
+                self.engine.call("hotweights_abort", sent.update_id, timeout=30.0)
             raise
         return {"digests_verified": min(int(s.get("digests_verified", 0)) for s in summaries)}
-
-    def _clear_kv_cache(self) -> int | None:
-        return sum(int(n) for n in self.call("hotweights_clear_kv_cache"))

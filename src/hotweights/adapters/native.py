@@ -11,8 +11,8 @@ from hotweights.core.buckets import Bucket
 from hotweights.core.errors import EngineNotSupportedError
 from hotweights.core.manifest import ExpectedWeights, WeightUpdateManifest
 from hotweights.core.report import PhaseTimer
-from hotweights.engine import compat
 from hotweights.engine.vllm_plugin import BACKEND
+from hotweights.handles import as_engine
 from hotweights.transports import Descriptor, WeightTransport
 
 __all__ = ["VLLMWeightTransferAdapter"]
@@ -47,7 +47,7 @@ class VLLMWeightTransferAdapter(VLLMTransportAdapter):
         lock_timeout: float | None = 600.0,
         guard_generation: bool = True,
     ) -> None:
-        backend = compat.weight_transfer_backend(llm)
+        backend = as_engine(llm).weight_transfer_backend
         if backend != BACKEND:
             raise EngineNotSupportedError(
                 f"this engine's weight transfer backend is {backend or 'not configured'!r}; start it with "
@@ -70,7 +70,7 @@ class VLLMWeightTransferAdapter(VLLMTransportAdapter):
         )
 
     def _rpc(self, method: str, **kwargs: Any) -> list[Any]:
-        return compat.rpc(self.llm, method, timeout=self.rpc_timeout, kwargs=kwargs or None)
+        return self.engine.call(method, timeout=self.rpc_timeout, kwargs=kwargs or None)
 
     def call(self, method: str, *args: Any) -> list[Any]:
         """EngineLink: the collective transport's rendezvous goes through ``init_weight_transfer_engine``."""
@@ -106,6 +106,3 @@ class VLLMWeightTransferAdapter(VLLMTransportAdapter):
                     self._rpc("finish_weight_update")
             raise
         return self._digests(sent)
-
-    def _clear_kv_cache(self) -> int | None:
-        return None  # not reachable through vLLM's weight-transfer API

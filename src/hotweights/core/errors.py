@@ -7,6 +7,7 @@ Hierarchy::
     ├── UnsupportedLayoutError          a layout this version or adapter cannot install
     ├── StaleWeightVersionError         weight_version not newer than the active one
     ├── EngineNotSupportedError         no adapter fits this engine (or its mode)
+    │   └── EngineSleepingError         the engine is asleep: wake it first
     ├── InstallError                    the engine failed while installing
     ├── PartialUpdateError              generation refused after an install failed while writing
     └── HotWeightsTimeoutError          a wait ran past its timeout (names what it waited for)
@@ -23,6 +24,7 @@ from typing import Literal
 
 __all__ = [
     "EngineNotSupportedError",
+    "EngineSleepingError",
     "HotWeightsError",
     "HotWeightsTimeoutError",
     "InstallError",
@@ -106,6 +108,11 @@ class StaleWeightVersionError(HotWeightsError):
 
 class EngineNotSupportedError(HotWeightsError):
     """No adapter can install into this engine as it is configured."""
+
+
+class EngineSleepingError(EngineNotSupportedError):
+    """The engine is asleep (``llm.sleep()``): its weights may be offloaded or discarded, and writing to them
+    would crash it. Wake it (``llm.wake_up()``) and install again; nothing was written."""
 
 
 class InstallError(HotWeightsError):

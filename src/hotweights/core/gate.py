@@ -13,12 +13,35 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
+from typing import Protocol
 
 from hotweights.core.errors import HotWeightsTimeoutError, PartialUpdateError
 
-__all__ = ["ServingGate"]
+__all__ = ["ServingGate", "WriteGate"]
+
+
+class WriteGate(Protocol):
+    """What an install needs from an engine kind to keep generation off the weights while it writes.
+
+    :class:`ServingGate` is the one for a ``vllm.LLM`` (a lock its generation methods share); an ``AsyncLLM`` or a
+    server pauses and resumes its scheduler instead.
+    """
+
+    refusal: str | None
+
+    def installing(self, timeout: float | None = None) -> AbstractContextManager[float]:
+        """Held from the first write until the install is done; yields the seconds it waited."""
+        ...
+
+    def refuse(self, reason: str) -> None:
+        """Fail closed: refuse generation with ``reason`` until :meth:`reopen`."""
+        ...
+
+    def reopen(self) -> None:
+        """Let generation in again."""
+        ...
 
 
 class ServingGate:
@@ -32,7 +55,12 @@ class ServingGate:
         ...     pass
     """
 
-    def __init__(self) -> None:
+    def __init__(self, idle: Callable[[], bool] | None = None, poll: float = 0.005) -> None:
+        self._idle = idle
+        """True when the engine has no unfinished work of its own: checked once the gate is held, so that work
+        that never entered the gate (a call that began before the gate existed, or requests driven through the
+        engine directly) is waited for too."""
+        self._poll = poll
         self._cond = threading.Condition()
         self._serving = 0
         self._installing = False
@@ -71,6 +99,19 @@ class ServingGate:
                 self._serving -= 1
                 self._cond.notify_all()
 
+    def _wait_idle(self, start: float, timeout: float | None) -> None:
+        """With the gate held (no new gated call can start), wait for the engine's own unfinished work."""
+        if self._idle is None:
+            return
+        while not self._idle():
+            if timeout is not None and time.perf_counter() - start > timeout:
+                raise HotWeightsTimeoutError(
+                    f"install waited {timeout} s for the engine's unfinished requests (generation started outside "
+                    "hotweights' gate, e.g. before the first install or through llm.llm_engine) to finish; raise "
+                    "lock_timeout or install between rollouts"
+                )
+            time.sleep(self._poll)
+
     @contextmanager
     def installing(self, timeout: float | None = None) -> Iterator[float]:
         """Held by an install; waits for running generation calls to return. Yields the seconds it waited."""
@@ -90,6 +131,7 @@ class ServingGate:
             self._installing = True
             self._owner = threading.get_ident()
         try:
+            self._wait_idle(start, timeout)
             yield time.perf_counter() - start
         finally:
             with self._cond:

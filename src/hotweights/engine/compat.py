@@ -21,9 +21,13 @@ __all__ = [
     "WORKER_EXTENSION",
     "clear_kv_cache_inprocess",
     "engine_dtype",
+    "engine_kind",
     "engine_mode",
     "engine_model_dir",
+    "engine_weight_version",
+    "has_unfinished_requests",
     "inprocess_model",
+    "is_sleeping",
     "num_workers",
     "reload_weights",
     "reset_prefix_cache",
@@ -39,14 +43,27 @@ __all__ = [
 TESTED_VLLM = "0.32"
 
 
+def engine_kind(obj: Any) -> str:
+    """``"llm"`` for a ``vllm.LLM``, ``"async_llm"`` for a ``vllm.v1.engine.async_llm.AsyncLLM``, else ``""``."""
+    engine = getattr(obj, "llm_engine", None)
+    if engine is not None and hasattr(engine, "engine_core"):
+        return "llm"
+    if hasattr(obj, "engine_core") and hasattr(obj, "pause_generation") and hasattr(obj, "vllm_config"):
+        return "async_llm"
+    return ""
+
+
 def _llm_engine(llm: Any) -> Any:
-    engine = getattr(llm, "llm_engine", None)
-    if engine is None or not hasattr(engine, "engine_core"):
-        raise EngineNotSupportedError(
-            f"{type(llm).__name__} is not a vllm.LLM (no llm_engine.engine_core); pass the vllm.LLM instance "
-            f"(vLLM {TESTED_VLLM} is the tested version)."
-        )
-    return engine
+    """The object that holds the engine's config and core client: ``llm.llm_engine``, or the ``AsyncLLM``."""
+    kind = engine_kind(llm)
+    if kind == "llm":
+        return llm.llm_engine
+    if kind == "async_llm":
+        return llm
+    raise EngineNotSupportedError(
+        f"{type(llm).__name__} is not a vLLM engine hotweights can install into: pass a vllm.LLM, an AsyncLLM, or "
+        f"the handle returned by hotweights.connect(url) (vLLM {TESTED_VLLM} is the tested version)."
+    )
 
 
 def engine_mode(llm: Any) -> str:
@@ -54,6 +71,18 @@ def engine_mode(llm: Any) -> str:
     else ``"multiprocess"``."""
     core = _llm_engine(llm).engine_core
     return "inprocess" if type(core).__name__ == "InprocClient" else "multiprocess"
+
+
+def has_unfinished_requests(llm: Any) -> bool:
+    """Whether a ``vllm.LLM``'s engine still has requests to run (from any caller, gated or not)."""
+    return bool(_llm_engine(llm).has_unfinished_requests())
+
+
+def is_sleeping(llm: Any) -> bool:
+    """Whether a ``vllm.LLM`` was put to sleep (``llm.sleep()``); False where this vLLM cannot tell."""
+    engine = _llm_engine(llm)
+    check = getattr(engine, "is_sleeping", None)
+    return bool(check()) if callable(check) else False
 
 
 def _model_config(llm: Any) -> Any:
@@ -123,6 +152,14 @@ def set_engine_weight_version(llm: Any, version: str) -> str | None:
     return str(engine.get_weight_version())
 
 
+def engine_weight_version(llm: Any) -> str | None:
+    """The version the engine reports; None where this vLLM keeps none."""
+    engine = _llm_engine(llm)
+    if not hasattr(engine, "get_weight_version"):
+        return None
+    return str(engine.get_weight_version())
+
+
 WORKER_EXTENSION = "hotweights.engine.worker_extension.HotWeightsWorkerExtension"
 """``worker_extension_cls`` to start a multiprocess engine with, so hotweights can install into it."""
 
@@ -167,12 +204,14 @@ def serving_gate(llm: Any) -> ServingGate:
     """The engine's :class:`ServingGate`, created on first use; the LLM's generation methods enter it.
 
     The methods are wrapped on this ``LLM`` instance only (``llm.generate`` etc.), so that a generation call in
-    one thread and an install in another never overlap. Idempotent.
+    one thread and an install in another never overlap. A call that was already running when the gate was made,
+    or requests driven through ``llm.llm_engine`` directly, never entered it: an install also waits until the
+    engine has no unfinished requests. Idempotent.
     """
     gate = getattr(llm, "_hotweights_gate", None)
     if isinstance(gate, ServingGate):
         return gate
-    gate = ServingGate()
+    gate = ServingGate(idle=lambda: not has_unfinished_requests(llm))
     for name in GENERATION_METHODS:
         method = getattr(llm, name, None)
         if callable(method):

@@ -16,9 +16,12 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import errno
 import mmap
 import os
 import re
+import shutil
+import stat
 import time
 import uuid
 from collections.abc import Mapping
@@ -58,7 +61,10 @@ def sweep_stale(directory: Path = SHM_DIR, min_age: float = 0.0) -> list[Path]:
         except FileNotFoundError:
             continue
         if st.st_uid == os.getuid() and now - st.st_mtime >= min_age:
-            path.unlink(missing_ok=True)
+            if stat.S_ISDIR(st.st_mode):  # a private checkpoint directory (the weights-path adapter)
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)
             removed.append(path)
     return removed
 
@@ -189,6 +195,24 @@ class Transport(WeightTransport):
 
 
 _SEGMENT_ID = re.compile(r"[0-9a-f]{32}")
+#: The names :func:`_new_segment` gives (``hotweights-<pid>-<uuid4 hex>``): the only files a worker maps.
+_SEGMENT_NAME = re.compile(rf"{_PREFIX}[0-9]+-[0-9a-f]{{32}}")
+
+
+def _open_segment(path: Path, flags: int) -> int:
+    """A descriptor of the regular file ``path``, never through a symlink (``O_NOFOLLOW``) and without blocking on
+    a FIFO (``O_NONBLOCK``); anything else (a directory, a device, a socket) is refused."""
+    try:
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.EISDIR):
+            what = "a symbolic link" if exc.errno == errno.ELOOP else "a directory"
+            raise ValueError(f"refusing to map {path}: {what}, not a hotweights segment") from exc
+        raise
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise ValueError(f"refusing to map {path}: not a regular file")
+    return fd
 
 
 def _kept_segments(worker: Any) -> dict[str, tuple[int | None, mmap.mmap]]:
@@ -222,7 +246,7 @@ def _open_kept(descriptor: Descriptor, path: Path, nbytes: int, worker: Any) -> 
     segments = _kept_segments(worker)
     if sid not in segments:
         release_segments(worker, [])  # drop segments of trainers that are gone before mapping a new one
-        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
+        fd = _open_segment(path, os.O_RDWR)
         try:
             mm = mmap.mmap(fd, os.fstat(fd).st_size)  # shared: the trainer's next writes are seen here
         finally:
@@ -244,13 +268,14 @@ def open_bucket(descriptor: Descriptor, worker: Any = None) -> tuple[torch.Tenso
     """
     path = Path(str(descriptor["path"]))
     nbytes = int(descriptor["nbytes"])
-    if path.parent != SHM_DIR or not path.name.startswith(_PREFIX):
+    if path.parent != SHM_DIR or not _SEGMENT_NAME.fullmatch(path.name):
         raise ValueError(f"refusing to map {path}: not a hotweights segment in {SHM_DIR}")
+    path = SHM_DIR / path.name
     if "segment" in descriptor:
         if worker is None:
             raise ValueError("a kept shm segment needs a worker to keep its mapping on")
         return _open_kept(descriptor, path, nbytes, worker)
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    fd = _open_segment(path, os.O_RDONLY)
     try:
         if os.fstat(fd).st_size < nbytes:
             raise ValueError(f"{path} holds {os.fstat(fd).st_size} bytes, the bucket needs {nbytes}")

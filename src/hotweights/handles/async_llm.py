@@ -1,0 +1,169 @@
+"""The handle of an ``AsyncLLM`` (vLLM's async engine, what async RL rollouts run on).
+
+Installs run in a worker thread (:func:`hotweights.install_async` puts them there, so packing and copying never
+block the event loop); every engine call is a coroutine scheduled on the caller's loop and awaited from that
+thread with a timeout. Generation is kept off the weights by pausing the scheduler (``pause_generation``) from the
+first write to the end of the install, and resumed always, also on failure.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import time
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
+from contextlib import contextmanager
+from typing import Any, ClassVar, TypeVar
+
+from hotweights.core.errors import HotWeightsTimeoutError, PartialUpdateError
+from hotweights.core.manifest import ExpectedWeights
+from hotweights.engine import compat
+from hotweights.engine.expected import expected_weights
+from hotweights.handles.base import EngineHandle, PauseMode
+
+__all__ = ["PAUSE_MODES", "AsyncLLMHandle", "PauseGate"]
+
+T = TypeVar("T")
+
+PAUSE_MODES: tuple[PauseMode, ...] = ("wait", "abort", "keep")
+#: ``AsyncLLM`` methods that start requests: refused while the engine fails closed.
+REQUEST_METHODS = ("generate", "encode")
+#: Seconds a resume or a version record may take.
+SHORT_TIMEOUT = 60.0
+
+
+class AsyncLLMHandle(EngineHandle):
+    """An ``AsyncLLM``, driven from a worker thread through the event loop it runs on (see :meth:`bind`)."""
+
+    kind: ClassVar[str] = "async_llm"
+    pause_modes: ClassVar[tuple[PauseMode, ...]] = PAUSE_MODES
+
+    def __init__(self, engine: Any) -> None:
+        if compat.engine_kind(engine) != "async_llm":
+            raise TypeError(f"AsyncLLMHandle takes a vLLM AsyncLLM, not {type(engine).__name__}")
+        self.engine = engine
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self._gate = PauseGate(self)
+        for name in REQUEST_METHODS:
+            method = getattr(engine, name, None)
+            if callable(method) and not hasattr(method, "__hotweights_gate__"):
+                setattr(engine, name, _refusing(method, self._gate))
+
+    def bind(self, loop: asyncio.AbstractEventLoop, pause: PauseMode) -> None:
+        """Drive the engine through ``loop`` (the one it runs on) and pause in-flight requests with ``pause``."""
+        self.set_pause_mode(pause)
+        self.loop = loop
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float | None, what: str) -> T:
+        """Await ``coro`` on the engine's loop from this (worker) thread, within ``timeout`` seconds."""
+        loop = self.loop
+        if loop is None or loop.is_closed() or _in_loop_thread(loop):
+            coro.close()
+            raise RuntimeError(
+                "an AsyncLLM is driven through hotweights.install_async, awaited on the engine's event loop: "
+                "`await hotweights.install_async(engine, tensors, weight_version=step)`"
+            )
+        future = asyncio.run_coroutine_threadsafe(coro, loop)
+        try:
+            return future.result(timeout)
+        except TimeoutError as exc:
+            future.cancel()
+            raise HotWeightsTimeoutError(
+                f"the AsyncLLM did not finish {what} within {timeout} s; check the engine is alive and its loop is "
+                "not blocked, or raise the timeout"
+            ) from exc
+
+    @property
+    def num_workers(self) -> int:
+        return compat.num_workers(self.engine)
+
+    @property
+    def worker_extension(self) -> str:
+        return compat.worker_extension(self.engine)
+
+    @property
+    def weight_transfer_backend(self) -> str:
+        return compat.weight_transfer_backend(self.engine)
+
+    def call(
+        self, method: str, *args: Any, timeout: float | None = None, kwargs: dict[str, Any] | None = None
+    ) -> list[Any]:
+        wait = None if timeout is None else timeout + 5.0  # vLLM's own timeout fires first
+        return list(self.run(self.engine.collective_rpc(method, timeout, args, kwargs), wait, f"{method!r}"))
+
+    def expected_weights(self) -> ExpectedWeights | None:
+        return expected_weights(self.engine)
+
+    @property
+    def gate(self) -> PauseGate:
+        return self._gate
+
+    def reset_prefix_cache(self) -> bool:
+        # Requests frozen by pause="keep" hold blocks: drop theirs too (they recompute on the new weights).
+        keep = self.pause_mode == "keep"
+        return bool(self.run(self.engine.reset_prefix_cache(keep), SHORT_TIMEOUT, "reset_prefix_cache"))
+
+    def set_weight_version(self, version: str) -> str | None:
+        self.run(self.engine.update_weight_version(version), SHORT_TIMEOUT, "update_weight_version")
+        return self.get_weight_version()
+
+    def get_weight_version(self) -> str | None:
+        return str(self.run(self.engine.get_weight_version(), SHORT_TIMEOUT, "get_weight_version"))
+
+    def is_sleeping(self) -> bool:
+        return bool(self.run(self.engine.is_sleeping(), SHORT_TIMEOUT, "is_sleeping"))
+
+    def clear_kv_cache(self) -> int | None:
+        if self.worker_extension != compat.WORKER_EXTENSION:
+            return None
+        return sum(int(n) for n in self.call("hotweights_clear_kv_cache", timeout=SHORT_TIMEOUT))
+
+    def describe(self) -> str:
+        return f"AsyncLLM ({self.num_workers} worker(s), pause={self.pause_mode!r})"
+
+
+class PauseGate:
+    """The :class:`~hotweights.core.gate.WriteGate` of an ``AsyncLLM``: pause the scheduler, resume always."""
+
+    def __init__(self, handle: AsyncLLMHandle) -> None:
+        self.handle = handle
+        self.refusal: str | None = None
+
+    @contextmanager
+    def installing(self, timeout: float | None = None) -> Iterator[float]:
+        handle, start = self.handle, time.perf_counter()
+        mode = handle.pause_mode
+        try:
+            # "keep" leaves frozen requests their KV blocks; the other modes drain, so the caches can go now.
+            pause = handle.engine.pause_generation(mode=mode, clear_cache=mode != "keep")
+            handle.run(pause, timeout, f"pause_generation(mode={mode!r}) (requests in flight)")
+            yield time.perf_counter() - start
+        finally:
+            handle.run(handle.engine.resume_generation(), SHORT_TIMEOUT, "resume_generation")
+
+    def refuse(self, reason: str) -> None:
+        self.refusal = reason
+
+    def reopen(self) -> None:
+        self.refusal = None
+
+
+def _refusing(method: Callable[..., AsyncIterator[Any]], gate: PauseGate) -> Callable[..., AsyncIterator[Any]]:
+    """``method`` (an async generator) that raises :class:`PartialUpdateError` while ``gate`` refuses."""
+
+    @functools.wraps(method)
+    async def call(*args: Any, **kwargs: Any) -> AsyncIterator[Any]:
+        if gate.refusal is not None:
+            raise PartialUpdateError(gate.refusal)
+        async for item in method(*args, **kwargs):
+            yield item
+
+    call.__hotweights_gate__ = gate  # type: ignore[attr-defined]
+    return call
+
+
+def _in_loop_thread(loop: asyncio.AbstractEventLoop) -> bool:
+    try:
+        return asyncio.get_running_loop() is loop
+    except RuntimeError:
+        return False

@@ -1,0 +1,118 @@
+"""The engine-handle contract: what differs between engine kinds, and nothing else.
+
+An adapter (how weights are installed: layerwise reload, direct setter, vLLM's weight-transfer API, a checkpoint
+path) and a transport (how bytes travel: shm, bytes, collective, cuda_ipc) never ask which kind of engine they
+hold. They ask its handle to call a worker method, to keep generation off the weights while they write, to reset
+the prefix cache, to record the version, and what weights it expects. One handle per engine kind: a
+``vllm.LLM`` (:mod:`~hotweights.handles.llm`), an ``AsyncLLM`` (:mod:`~hotweights.handles.async_llm`), a remote
+``vllm serve`` process.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any, ClassVar, Literal
+
+from hotweights.core.gate import WriteGate
+from hotweights.core.manifest import ExpectedWeights
+
+__all__ = ["EngineHandle", "PauseMode"]
+
+PauseMode = Literal["wait", "abort", "keep"]
+"""What an engine with a scheduler does with requests in flight while an install writes.
+
+``wait`` (default): the install waits for them to finish, so no response mixes weights. ``abort``: they end at
+once with ``finish_reason="abort"`` (the caller retries them). ``keep``: they are frozen and finish on the new
+weights after the install, so one response can mix two versions: only for off-policy trainers that accept it.
+"""
+
+
+class EngineHandle(ABC):
+    """One running engine, as every adapter and transport sees it."""
+
+    #: Engine kind, named in reports and errors (``"llm"``, ``"async_llm"``, ``"remote"``).
+    kind: ClassVar[str]
+    #: The :data:`PauseMode` values this engine kind honours (a ``vllm.LLM`` can only wait).
+    pause_modes: ClassVar[tuple[PauseMode, ...]] = ("wait",)
+    #: How the next install treats requests in flight (set by :meth:`set_pause_mode`).
+    pause_mode: PauseMode = "wait"
+
+    def set_pause_mode(self, mode: PauseMode) -> None:
+        """Choose how installs treat requests in flight; ValueError for a mode this engine kind cannot honour."""
+        if mode not in self.pause_modes:
+            raise ValueError(
+                f"pause={mode!r} is not available for a {self.describe()}: it supports {self.pause_modes} (a "
+                "vllm.LLM waits for running generation calls; 'abort' and 'keep' need an AsyncLLM or a server)"
+            )
+        self.pause_mode = mode
+
+    @property
+    @abstractmethod
+    def num_workers(self) -> int:
+        """Worker processes (tensor x pipeline parallel size)."""
+
+    @property
+    def inprocess(self) -> bool:
+        """True when the workers run in this process (tensors can be handed over by reference)."""
+        return False
+
+    @property
+    @abstractmethod
+    def worker_extension(self) -> str:
+        """The ``worker_extension_cls`` the engine was started with (``""`` when none)."""
+
+    @property
+    @abstractmethod
+    def weight_transfer_backend(self) -> str:
+        """The ``weight_transfer_config.backend`` the engine was started with (``""`` when none)."""
+
+    @property
+    def same_host(self) -> bool:
+        """True when the engine's workers run on this host (they can map this host's ``/dev/shm``)."""
+        return True
+
+    @property
+    def default_transport(self) -> str:
+        """The transport adapters use when the caller names none (``"shm"``: the engine is on this host)."""
+        return "shm"
+
+    @abstractmethod
+    def call(
+        self, method: str, *args: Any, timeout: float | None = None, kwargs: dict[str, Any] | None = None
+    ) -> list[Any]:
+        """Run the worker method ``method`` (by name: never a callable, which would need pickle) on every worker;
+        one result per worker. A timeout raises :class:`~hotweights.HotWeightsTimeoutError`."""
+
+    @abstractmethod
+    def expected_weights(self) -> ExpectedWeights | None:
+        """What the engine accepts (checkpoint names, shapes, dtypes), or None when it cannot be known."""
+
+    @property
+    @abstractmethod
+    def gate(self) -> WriteGate:
+        """Keeps generation off the weights from an install's first write to its end; fails closed on demand."""
+
+    @abstractmethod
+    def reset_prefix_cache(self) -> bool:
+        """Drop cached prefixes computed with the old weights; True when the engine confirmed."""
+
+    @abstractmethod
+    def set_weight_version(self, version: str) -> str | None:
+        """Record ``version`` in the engine; returns what the engine now reports (None where it keeps none)."""
+
+    @abstractmethod
+    def get_weight_version(self) -> str | None:
+        """The version the engine reports (None where it keeps none)."""
+
+    def is_sleeping(self) -> bool:
+        """True while the engine is asleep: its weights must not be written."""
+        return False
+
+    def clear_kv_cache(self) -> int | None:
+        """Zero the KV cache after a failed write (poisoned blocks survive a prefix-cache reset); the number of
+        tensors zeroed, or None where the cache cannot be reached."""
+        return None
+
+    def describe(self) -> str:
+        """One line for reports and errors."""
+        return self.kind

@@ -1,0 +1,79 @@
+"""The handle of a ``vllm.LLM``: in this process or multiprocess, any tensor-parallel size."""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+from hotweights.core.gate import ServingGate
+from hotweights.core.manifest import ExpectedWeights
+from hotweights.engine import compat
+from hotweights.engine.expected import expected_weights
+from hotweights.handles.base import EngineHandle
+
+__all__ = ["LLMHandle"]
+
+
+class LLMHandle(EngineHandle):
+    """A ``vllm.LLM``. Generation is kept off the weights by a :class:`ServingGate` that the ``LLM``'s generation
+    methods enter (wrapped on this instance); an install also waits for requests that never entered it."""
+
+    kind: ClassVar[str] = "llm"
+
+    def __init__(self, llm: Any) -> None:
+        if compat.engine_kind(llm) != "llm":
+            raise TypeError(f"LLMHandle takes a vllm.LLM, not {type(llm).__name__}")
+        self.llm = llm
+        self._gate: ServingGate | None = None
+
+    @property
+    def num_workers(self) -> int:
+        return compat.num_workers(self.llm)
+
+    @property
+    def inprocess(self) -> bool:
+        return compat.engine_mode(self.llm) == "inprocess"
+
+    @property
+    def worker_extension(self) -> str:
+        return compat.worker_extension(self.llm)
+
+    @property
+    def weight_transfer_backend(self) -> str:
+        return compat.weight_transfer_backend(self.llm)
+
+    def call(
+        self, method: str, *args: Any, timeout: float | None = None, kwargs: dict[str, Any] | None = None
+    ) -> list[Any]:
+        return compat.rpc(self.llm, method, *args, timeout=timeout, kwargs=kwargs)
+
+    def expected_weights(self) -> ExpectedWeights | None:
+        return expected_weights(self.llm)
+
+    @property
+    def gate(self) -> ServingGate:
+        if self._gate is None:
+            self._gate = compat.serving_gate(self.llm)
+        return self._gate
+
+    def reset_prefix_cache(self) -> bool:
+        return compat.reset_prefix_cache(self.llm)
+
+    def set_weight_version(self, version: str) -> str | None:
+        return compat.set_engine_weight_version(self.llm, version)
+
+    def get_weight_version(self) -> str | None:
+        return compat.engine_weight_version(self.llm)
+
+    def is_sleeping(self) -> bool:
+        return compat.is_sleeping(self.llm)
+
+    def clear_kv_cache(self) -> int | None:
+        if self.inprocess:
+            return compat.clear_kv_cache_inprocess(self.llm)
+        if self.worker_extension == compat.WORKER_EXTENSION:
+            return sum(int(n) for n in self.call("hotweights_clear_kv_cache", timeout=60.0))
+        return None
+
+    def describe(self) -> str:
+        mode = "in-process" if self.inprocess else f"multiprocess, {self.num_workers} worker(s)"
+        return f"vllm.LLM ({mode})"

@@ -1,0 +1,151 @@
+"""``hotweights.install`` on any ``vllm.LLM``: a plain multiprocess engine (no extension, no backend: the
+weights-path adapter), and the first-install race on an in-process engine (a call already running is waited for)."""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import hotweights
+from hotweights import (
+    EngineNotSupportedError,
+    EngineSleepingError,
+    InstallError,
+    PartialUpdateError,
+    VLLMMultiprocessAdapter,
+    WeightManifestValidationError,
+)
+from hotweights.adapters import weights_path
+from hotweights.transports.shm import SHM_DIR
+
+from .conftest import PROMPTS, TinyCheckpoint, Variant, greedy_vllm, start_engine, stop_engine
+
+pytestmark = pytest.mark.engine
+
+VARIANT = Variant("qwen2", torch.float32, tie=False)
+LONG = PROMPTS[-1]  # longer than a KV block
+
+
+def _ours() -> list[str]:
+    """What this test process left in /dev/shm (segments and private checkpoint directories)."""
+    return sorted(p.name for p in Path(SHM_DIR).glob(f"hotweights-{os.getpid()}-*"))
+
+
+@pytest.fixture(scope="module")
+def plain(checkpoint: Callable[[Variant, int], TinyCheckpoint]) -> Iterator[tuple[Any, TinyCheckpoint, TinyCheckpoint]]:
+    """A plain ``LLM(model=...)``: vLLM's default multiprocess engine, started with nothing from hotweights."""
+    a, b = checkpoint(VARIANT, 1), checkpoint(VARIANT, 2)
+    llm = start_engine(a.path, multiprocess=True)
+    assert type(llm.llm_engine.engine_core).__name__ != "InprocClient"
+    yield llm, a, b
+    stop_engine(llm)
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+
+
+def test_plain_multiprocess_llm_a_to_b_to_a(plain: tuple[Any, TinyCheckpoint, TinyCheckpoint]) -> None:
+    llm, a, b = plain
+    report = hotweights.install(llm, b.state_dict(), weight_version=1)
+    assert report.adapter == "weights-path"
+    assert "pack" in report.phases and "install" in report.phases
+    assert llm.llm_engine.get_weight_version() == "1"
+    assert greedy_vllm(llm) == b.fresh == b.hf
+    hotweights.install(llm, a.state_dict(), weight_version=2)
+    assert greedy_vllm(llm) == a.fresh == a.hf
+    assert _ours() == []
+
+
+def test_plain_llm_bad_update_writes_nothing(plain: tuple[Any, TinyCheckpoint, TinyCheckpoint]) -> None:
+    llm, _, b = plain
+    adapter = hotweights.adapter_for(llm)
+    version = adapter.active_weight_version or 0
+    before = greedy_vllm(llm)
+    sd = b.state_dict()
+    sd["model.layers.0.mlp.up_proj.weight"] = sd["model.layers.0.mlp.up_proj.weight"][:, :7]
+    sd["model.layers.1.self_attn.q_proj.weight"] = sd["model.layers.1.self_attn.q_proj.weight"].double()
+    with pytest.raises(WeightManifestValidationError) as info:
+        hotweights.install(llm, sd, weight_version=version + 1)
+    assert {m.kind for m in info.value.mismatches} == {"shape", "dtype"}
+    assert greedy_vllm(llm) == before
+    assert llm.llm_engine.get_weight_version() == str(version)
+    assert _ours() == []
+
+
+def test_options_that_need_the_extension_name_it(plain: tuple[Any, TinyCheckpoint, TinyCheckpoint]) -> None:
+    llm, _, _ = plain
+    for options in ({"commit": "streaming", "install_method": "direct"}, {"install_method": "direct"}, {}):
+        with pytest.raises(EngineNotSupportedError, match="worker_extension_cls") as info:
+            VLLMMultiprocessAdapter(llm, **options)
+        assert hotweights.WORKER_EXTENSION in str(info.value)
+    with pytest.raises(EngineNotSupportedError, match="not an engine"):
+        hotweights.install(object(), {}, weight_version=1)
+
+
+def test_failed_reload_fails_closed_then_heals(
+    plain: tuple[Any, TinyCheckpoint, TinyCheckpoint], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The worker cannot read the checkpoint (garbage file): the reload fails after the write began, so generation
+    is refused until a full install succeeds, and /dev/shm is clean either way."""
+    llm, _, b = plain
+    adapter = hotweights.adapter_for(llm)
+    version = adapter.active_weight_version or 0
+
+    def garbage(tensors: dict[str, torch.Tensor], path: str) -> None:
+        Path(path).write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not a header}")
+
+    monkeypatch.setattr(weights_path, "save_file", garbage)
+    with pytest.raises(InstallError, match="failed while writing"):
+        hotweights.install(llm, b.state_dict(), weight_version=version + 1)
+    assert _ours() == []
+    with pytest.raises(PartialUpdateError):
+        greedy_vllm(llm)
+    assert llm.llm_engine.get_weight_version() == str(version)
+    monkeypatch.undo()
+    hotweights.install(llm, b.state_dict(), weight_version=version + 1)
+    assert greedy_vllm(llm) == b.fresh
+    assert _ours() == []
+
+
+def test_sleeping_engine_is_never_written(plain: tuple[Any, TinyCheckpoint, TinyCheckpoint]) -> None:
+    llm, a, _ = plain
+    llm.sleep()
+    try:
+        if not llm.llm_engine.is_sleeping():
+            pytest.skip("this vLLM build has no sleep mode on CPU (llm.sleep() is a no-op); the check runs on GPUs")
+        version = hotweights.adapter_for(llm).active_weight_version or 0
+        with pytest.raises(EngineSleepingError, match="wake_up"):
+            hotweights.install(llm, a.state_dict(), weight_version=version + 1)
+        assert llm.llm_engine.get_weight_version() == str(version)
+    finally:
+        llm.wake_up()
+
+
+# --------------------------------------------------------------------------- the first-install race
+def test_generation_running_before_the_first_install_is_waited_for(
+    checkpoint: Callable[[Variant, int], TinyCheckpoint],
+) -> None:
+    """A generate call that started before hotweights ever saw the engine (so it never entered the gate) finishes
+    entirely on the old weights; the install waits for it, then the new weights serve."""
+    a, b = checkpoint(VARIANT, 1), checkpoint(VARIANT, 2)
+    llm = start_engine(a.path, multiprocess=False)
+    try:
+        reference = greedy_vllm(llm, [LONG], max_tokens=80)  # A, computed before any install
+        result: list[list[list[int]]] = []
+        thread = threading.Thread(target=lambda: result.append(greedy_vllm(llm, [LONG], max_tokens=80)))
+        thread.start()
+        while not llm.llm_engine.has_unfinished_requests():  # it is generating, outside any gate
+            assert thread.is_alive() or result, "the generation thread died"
+            if result:
+                pytest.fail("generation finished before the install could start; make it longer")
+        report = hotweights.install(llm, b.state_dict(), weight_version=1)
+        thread.join(timeout=60)
+        assert result == [reference]  # entirely the old weights: no mix, no crash
+        assert report.phases["wait_generation"] > 0
+        assert greedy_vllm(llm) == b.fresh
+    finally:
+        stop_engine(llm)

@@ -1,0 +1,260 @@
+"""``hotweights.install_async`` into a real ``AsyncLLM``: without the extension (weights path) and with it, requests
+in flight under each pause mode, fail closed and always resumed after a failed write.
+
+The engine lives on an event loop in a background thread (as in an async RL trainer); the test thread submits
+coroutines to it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import threading
+from collections.abc import Callable, Coroutine, Iterator, Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+import torch
+
+import hotweights
+from hotweights import EngineNotSupportedError, InstallError, PartialUpdateError, WeightManifestValidationError
+from hotweights.adapters import weights_path
+from hotweights.testing import BLOCK_SIZE
+from hotweights.transports.shm import SHM_DIR
+
+from .conftest import PROMPTS, TinyCheckpoint, Variant
+
+pytestmark = pytest.mark.engine
+
+T = TypeVar("T")
+VARIANT = Variant("qwen2", torch.float32, tie=False)
+LONG = PROMPTS[-1]
+_ids = itertools.count()
+
+
+class Loop:
+    """An event loop in a daemon thread; ``run(coro)`` awaits a coroutine on it from the test thread."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float = 300.0) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=10)
+
+
+def _start(path: Path, **overrides: Any) -> Any:
+    import vllm.envs
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
+    getattr(vllm.envs, "disable_envs_cache", lambda: None)()
+    args = AsyncEngineArgs(
+        model=str(path),
+        skip_tokenizer_init=True,
+        dtype="float32",
+        max_model_len=128,
+        enforce_eager=True,
+        max_num_seqs=4,
+        seed=0,
+        kv_cache_memory_bytes=64 << 20,
+        block_size=BLOCK_SIZE,
+        enable_prefix_caching=True,
+        **overrides,
+    )
+    return AsyncLLM.from_engine_args(args)
+
+
+async def _generate(engine: Any, prompt: Sequence[int], max_tokens: int = 8) -> Any:
+    """The final ``RequestOutput`` of one greedy request."""
+    from vllm import SamplingParams
+
+    sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False)
+    final = None
+    async for out in engine.generate({"prompt_token_ids": list(prompt)}, sp, request_id=f"t{next(_ids)}"):
+        final = out
+    return final
+
+
+async def greedy(engine: Any, prompts: Sequence[Sequence[int]] = PROMPTS, max_tokens: int = 8) -> list[list[int]]:
+    outs = await asyncio.gather(*(_generate(engine, p, max_tokens) for p in prompts))
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+class Async:
+    def __init__(self, loop: Loop, engine: Any, a: TinyCheckpoint, b: TinyCheckpoint) -> None:
+        self.loop, self.engine, self.a, self.b = loop, engine, a, b
+        self.version = 0
+
+    def greedy(self, prompts: Sequence[Sequence[int]] = PROMPTS, max_tokens: int = 8) -> list[list[int]]:
+        return self.loop.run(greedy(self.engine, prompts, max_tokens))
+
+    def install(self, ckpt: TinyCheckpoint, **kwargs: Any) -> hotweights.InstallReport:
+        self.version += 1
+        sd = ckpt.state_dict()
+        return self.loop.run(hotweights.install_async(self.engine, sd, weight_version=self.version, **kwargs))
+
+    def engine_version(self) -> str:
+        return str(self.loop.run(self.engine.get_weight_version()))
+
+
+def _ours() -> list[str]:
+    return sorted(p.name for p in Path(SHM_DIR).glob(f"hotweights-{os.getpid()}-*"))
+
+
+@pytest.fixture(scope="module")
+def loop() -> Iterator[Loop]:
+    loop = Loop()
+    yield loop
+    loop.close()
+
+
+@pytest.fixture(scope="module")
+def plain(loop: Loop, checkpoint: Callable[[Variant, int], TinyCheckpoint]) -> Iterator[Async]:
+    a, b = checkpoint(VARIANT, 1), checkpoint(VARIANT, 2)
+    engine = loop.run(_async(_start, a.path))
+    yield Async(loop, engine, a, b)
+    engine.shutdown()
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+
+
+async def _async(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """Build the engine on the loop it will run on."""
+    return fn(*args, **kwargs)
+
+
+def test_a_to_b_to_a_without_the_extension(plain: Async) -> None:
+    assert plain.greedy() == plain.a.hf
+    report = plain.install(plain.b)
+    assert report.adapter == "weights-path"
+    assert plain.engine_version() == str(report.weight_version)
+    assert plain.greedy() == plain.b.hf
+    plain.install(plain.a)
+    assert plain.greedy() == plain.a.hf
+    assert _ours() == []
+
+
+def test_sync_install_says_to_await_install_async(plain: Async) -> None:
+    with pytest.raises(EngineNotSupportedError, match=r"await hotweights\.install_async\(engine"):
+        hotweights.install(plain.engine, plain.b.state_dict(), weight_version=plain.version + 1)
+
+
+def test_event_loop_keeps_running_during_an_install(plain: Async) -> None:
+    async def scenario() -> tuple[int, hotweights.InstallReport]:
+        ticks = 0
+
+        async def ticker() -> None:
+            nonlocal ticks
+            while True:
+                await asyncio.sleep(0.001)
+                ticks += 1
+
+        task = asyncio.create_task(ticker())
+        plain.version += 1
+        report = await hotweights.install_async(plain.engine, plain.b.state_dict(), weight_version=plain.version)
+        task.cancel()
+        return ticks, report
+
+    ticks, report = plain.loop.run(scenario())
+    assert ticks >= 5, f"the loop ticked {ticks} times during a {report.seconds:.3f} s install"
+    assert plain.greedy() == plain.b.hf
+
+
+def _in_flight(plain: Async, ckpt: TinyCheckpoint, pause: str, max_tokens: int = 80) -> tuple[Any, Any]:
+    """Start a long request, install ``ckpt`` with ``pause`` once it produced its first token; return both."""
+
+    async def scenario() -> tuple[Any, Any]:
+        from vllm import SamplingParams
+
+        sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False)
+        started = asyncio.Event()
+        final: list[Any] = []
+
+        async def request() -> None:
+            async for out in plain.engine.generate({"prompt_token_ids": LONG}, sp, request_id=f"t{next(_ids)}"):
+                started.set()
+                final.append(out)
+
+        task = asyncio.create_task(request())
+        await started.wait()
+        plain.version += 1
+        sd = ckpt.state_dict()
+        report = await hotweights.install_async(plain.engine, sd, weight_version=plain.version, pause=pause)  # type: ignore[arg-type]
+        await asyncio.wait_for(task, 120)
+        return final[-1], report
+
+    return plain.loop.run(scenario())
+
+
+def test_wait_mode_request_in_flight_is_entirely_old(plain: Async) -> None:
+    plain.install(plain.a)
+    old = plain.greedy([LONG], max_tokens=80)[0]
+    out, report = _in_flight(plain, plain.b, "wait")
+    assert list(out.outputs[0].token_ids) == old  # finished on A before the write: no mix
+    assert report.phases["wait_generation"] > 0
+    assert plain.greedy() == plain.b.hf
+
+
+def test_abort_mode_ends_the_request(plain: Async) -> None:
+    out, _ = _in_flight(plain, plain.a, "abort")
+    assert out.outputs[0].finish_reason == "abort"
+    assert len(out.outputs[0].token_ids) < 80
+    assert plain.greedy() == plain.a.hf
+
+
+def test_keep_mode_request_finishes_after_the_install(plain: Async) -> None:
+    out, report = _in_flight(plain, plain.b, "keep")
+    assert out.outputs[0].finish_reason == "length" and len(out.outputs[0].token_ids) == 80
+    assert plain.engine_version() == str(report.weight_version)
+    assert plain.greedy() == plain.b.hf
+
+
+def test_bad_update_writes_nothing(plain: Async) -> None:
+    before, version = plain.greedy(), plain.engine_version()
+    sd = plain.a.state_dict()
+    del sd["model.norm.weight"]
+    with pytest.raises(WeightManifestValidationError, match=r"model\.norm\.weight"):
+        plain.loop.run(hotweights.install_async(plain.engine, sd, weight_version=plain.version + 1))
+    assert plain.engine_version() == version
+    assert plain.greedy() == before
+
+
+def test_failed_write_resumes_fails_closed_then_heals(plain: Async, monkeypatch: pytest.MonkeyPatch) -> None:
+    def garbage(tensors: dict[str, torch.Tensor], path: str) -> None:
+        Path(path).write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not a header}")
+
+    monkeypatch.setattr(weights_path, "save_file", garbage)
+    with pytest.raises(InstallError, match="failed while writing"):
+        plain.install(plain.a)
+    plain.version -= 1  # not installed: the same version is accepted next
+    assert plain.loop.run(plain.engine.is_paused()) is False  # resumed, also on failure
+    with pytest.raises(PartialUpdateError):
+        plain.greedy()
+    assert _ours() == []
+    monkeypatch.undo()
+    plain.install(plain.a)
+    assert plain.greedy() == plain.a.hf
+
+
+def test_with_the_worker_extension(loop: Loop, checkpoint: Callable[[Variant, int], TinyCheckpoint]) -> None:
+    a, b = checkpoint(VARIANT, 1), checkpoint(VARIANT, 2)
+    engine = loop.run(_async(_start, a.path, worker_extension_cls=hotweights.WORKER_EXTENSION))
+    try:
+        ext = Async(loop, engine, a, b)
+        report = ext.install(b)
+        assert report.adapter == "multiprocess-shm"
+        assert ext.greedy() == b.hf
+        assert ext.engine_version() == "1"
+        ext.install(a)
+        assert ext.greedy() == a.hf
+        assert _ours() == []
+    finally:
+        engine.shutdown()

@@ -1,0 +1,99 @@
+"""Tensor parallelism: one real TP=2 engine (two CPU workers), A -> B -> A through every install path."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import hotweights
+from hotweights import VLLMMultiprocessAdapter, VLLMWeightsPathAdapter, WeightInstallAdapter, WeightUpdateManifest
+from hotweights.transports import make_transport
+from hotweights.transports.shm import SHM_DIR
+
+from .conftest import TinyCheckpoint, Variant, greedy_vllm, start_engine, stop_engine
+
+pytestmark = pytest.mark.engine
+
+VARIANT = Variant("qwen2", torch.float32, tie=False)
+BIND = "VLLM_CPU_OMP_THREADS_BIND"
+
+
+def _bind_two_workers() -> str:
+    """One core per CPU worker (vLLM's CPU backend binds each TP worker's OpenMP threads to its own cores)."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        pytest.skip("tensor parallelism on CPU needs two cores")
+    return f"{cores[0]}|{cores[1]}"
+
+
+class TP:
+    def __init__(self, llm: Any, a: TinyCheckpoint, b: TinyCheckpoint) -> None:
+        self.llm, self.a, self.b = llm, a, b
+        self.version = 0
+
+    def install(self, adapter: WeightInstallAdapter, ckpt: TinyCheckpoint) -> hotweights.InstallReport:
+        self.version += 1
+        adapter.active_weight_version = self.version - 1  # several adapters, one version line
+        sd = ckpt.state_dict()
+        return adapter.install(WeightUpdateManifest.from_state_dict(sd, weight_version=self.version), sd)
+
+
+@pytest.fixture(scope="module")
+def tp(checkpoint: Callable[[Variant, int], TinyCheckpoint]) -> Iterator[TP]:
+    a, b = checkpoint(VARIANT, 1), checkpoint(VARIANT, 2)
+    previous = os.environ.get(BIND)
+    os.environ[BIND] = _bind_two_workers()  # without it: "Not enough allowed NUMA nodes to bind threads"
+    llm = start_engine(
+        a.path, multiprocess=True, tensor_parallel_size=2, worker_extension_cls=hotweights.WORKER_EXTENSION
+    )
+    assert llm.llm_engine.vllm_config.parallel_config.world_size == 2
+    yield TP(llm, a, b)
+    stop_engine(llm)
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    if previous is None:
+        os.environ.pop(BIND, None)
+    else:
+        os.environ[BIND] = previous
+    for leftover in Path(SHM_DIR).glob("vllm_dist_*cpushm*"):  # vLLM's own TP channel, left after shutdown
+        leftover.unlink(missing_ok=True)
+
+
+PATHS: dict[str, Callable[[Any], WeightInstallAdapter]] = {
+    "zero-config": lambda llm: VLLMWeightsPathAdapter(llm),
+    "multiprocess-shm": lambda llm: VLLMMultiprocessAdapter(llm, bucket_bytes=40_000),
+    "direct": lambda llm: VLLMMultiprocessAdapter(llm, install_method="direct"),
+    "streaming-direct-kept": lambda llm: VLLMMultiprocessAdapter(
+        llm,
+        transport=make_transport("shm", keep_segments=True),
+        install_method="direct",
+        commit="streaming",
+        bucket_bytes=100_000,
+    ),
+    "collective": lambda llm: VLLMMultiprocessAdapter(llm, transport="collective"),
+}
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_a_to_b_to_a(tp: TP, path: str) -> None:
+    adapter = PATHS[path](tp.llm)
+    try:
+        tp.install(adapter, tp.b)
+        assert greedy_vllm(tp.llm) == tp.b.hf
+        tp.install(adapter, tp.a)
+        assert greedy_vllm(tp.llm) == tp.a.hf
+        assert tp.llm.llm_engine.get_weight_version() == str(tp.version)
+    finally:
+        adapter.close()
+    assert sorted(p.name for p in Path(SHM_DIR).glob(f"hotweights-{os.getpid()}-*")) == []
+
+
+def test_one_call_install(tp: TP) -> None:
+    tp.version += 1
+    report = hotweights.install(tp.llm, tp.b.state_dict(), weight_version=tp.version)
+    assert report.adapter == "multiprocess-shm"
+    assert greedy_vllm(tp.llm) == tp.b.hf
