@@ -32,8 +32,10 @@ from hotweights.engine import compat
 __all__ = ["TRLWeightSync", "attach"]
 
 _TESTED_TRL = "trl==1.16.0"
-# Options of hotweights.install that attach() accepts; the rest (llm, tensors, weight_version) it supplies itself.
-_INSTALL_OPTIONS = frozenset(inspect.signature(install).parameters) - {"llm", "tensors", "weight_version", "update_id"}
+# hotweights.install's keyword options that attach() passes on; weight_version and update_id it sets per sync.
+_INSTALL_OPTIONS = frozenset(
+    name for name, p in inspect.signature(install).parameters.items() if p.kind is inspect.Parameter.KEYWORD_ONLY
+) - {"weight_version", "update_id"}
 
 
 class TRLWeightSync:
@@ -117,8 +119,8 @@ def attach(trainer: Any, **install_options: Any) -> TRLWeightSync:
 
     Args:
         trainer: a TRL trainer holding ``trainer.vllm_generation`` (GRPO, RLOO, distillation trainers).
-        **install_options: passed to every :func:`hotweights.install` (``layout``, ``metadata``, ``force``,
-            ``digests``).
+        **install_options: keyword options passed to every :func:`hotweights.install` (``layout``,
+            ``metadata``, ``force``, ``digests``, ...).
 
     Returns:
         The handle: ``last_report``, ``reports``, ``sync()`` and ``detach()``.
