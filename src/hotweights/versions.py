@@ -1,0 +1,166 @@
+"""Which weight version produced an output: :func:`weight_version_of` and :func:`weight_versions_of`.
+
+vLLM labels every output token with the weight version its engine held when the token was sampled (the label
+:func:`hotweights.install` records after each install) and attaches contiguous spans of labels to the *final*
+``CompletionOutput`` (``weight_versions: list[WeightVersionSpan]``). This module reads them back as hotweights
+versions (ints), for a ``RequestOutput`` from ``LLM.generate`` or ``AsyncLLM.generate`` or one of its
+``CompletionOutput``\\ s. It is pure: it never imports vLLM and reads only those attributes.
+
+- One version produced every token (always, unless an install ran with ``pause="keep"`` while the request was in
+  flight): :func:`weight_version_of` returns it, an ``int``.
+- Tokens from the weights the engine started with, before any install: ``None`` (vLLM's initial label is
+  ``"default"``), the same ``None`` as :attr:`InstallReport.previous_version` for those weights.
+- Tokens from two or more versions (``pause="keep"``): :func:`weight_version_of` raises ``ValueError`` instead of
+  picking one, so a mixed output is never taken for a single-version one; :func:`weight_versions_of` returns every
+  span (:class:`WeightVersions`: ``first``, ``last``, ``mixed``, ``spans``).
+
+Example:
+    >>> outs = llm.generate(prompts, sampling_params)                      # doctest: +SKIP
+    >>> [hotweights.weight_version_of(o) for o in outs]                    # doctest: +SKIP
+    [7, 7]
+    >>> hotweights.weight_versions_of(out).spans                           # doctest: +SKIP
+    (VersionSpan(version=6, start=0, end=12), VersionSpan(version=7, start=12, end=80))
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["INITIAL_LABEL", "VersionSpan", "WeightVersions", "weight_version_of", "weight_versions_of"]
+
+INITIAL_LABEL = "default"
+"""The label vLLM 0.32's engine core gives its weights until a version is recorded (``EngineCore._weight_version``);
+reported as ``None``."""
+
+
+@dataclass(frozen=True)
+class VersionSpan:
+    """Output tokens ``[start, end)`` of completion ``index`` were sampled by weights ``version`` (None: the
+    engine's initial weights)."""
+
+    version: int | None
+    start: int
+    end: int
+    index: int = 0
+    """Which completion of the request (``CompletionOutput.index``; 0 unless ``n > 1``)."""
+
+
+@dataclass(frozen=True)
+class WeightVersions:
+    """Every weight version that produced an output, as spans over output-token indexes (in completion, then
+    token order)."""
+
+    spans: tuple[VersionSpan, ...]
+
+    @property
+    def versions(self) -> tuple[int | None, ...]:
+        """Distinct versions, in the order they first produced a token."""
+        return tuple(dict.fromkeys(s.version for s in self.spans))
+
+    @property
+    def mixed(self) -> bool:
+        """True when more than one version produced the tokens (only with ``pause="keep"``)."""
+        return len(self.versions) > 1
+
+    @property
+    def first(self) -> int | None:
+        """The version of the first token (None: the engine's initial weights)."""
+        return self._only_spans()[0].version
+
+    @property
+    def last(self) -> int | None:
+        """The version of the last token (None: the engine's initial weights)."""
+        return self._only_spans()[-1].version
+
+    def _only_spans(self) -> tuple[VersionSpan, ...]:
+        if not self.spans:
+            raise ValueError("the output has no tokens, so no weight version produced it")
+        return self.spans
+
+
+def weight_versions_of(output: Any) -> WeightVersions:
+    """Every weight version that produced ``output``, span by span.
+
+    Args:
+        output: a finished ``RequestOutput`` (every completion's spans, ``n > 1`` included) or one
+            ``CompletionOutput``.
+
+    Raises:
+        ValueError: the output is not finished (vLLM attaches the spans to the final output only: with
+            ``AsyncLLM.generate`` keep the last one), carries no labels, or a label is not a hotweights version.
+
+    Example:
+        >>> from types import SimpleNamespace as NS
+        >>> done = NS(index=0, finish_reason="length", weight_versions=[NS(version="6", start=0, end=3),
+        ...                                                             NS(version="7", start=3, end=8)])
+        >>> v = weight_versions_of(NS(outputs=[done]))
+        >>> v.mixed, v.first, v.last, v.versions
+        (True, 6, 7, (6, 7))
+    """
+    completions: Sequence[Any] = output.outputs if hasattr(output, "outputs") else [output]
+    spans: list[VersionSpan] = []
+    for completion in completions:
+        labels = getattr(completion, "weight_versions", None)
+        if labels is None:
+            if getattr(completion, "finish_reason", None) is None:
+                raise ValueError(
+                    "this output is not finished: vLLM attaches weight versions to a request's final output only "
+                    "(with AsyncLLM.generate, pass the last output it yields)"
+                )
+            raise ValueError(
+                "this output carries no weight versions: the engine reported no label for its tokens (a vLLM "
+                "older than 0.32, or an output not produced by generation)"
+            )
+        index = int(getattr(completion, "index", 0))
+        spans += [VersionSpan(_version(s.version), int(s.start), int(s.end), index) for s in labels]
+    return WeightVersions(tuple(spans))
+
+
+def weight_version_of(output: Any) -> int | None:
+    """The weight version that produced every token of ``output``.
+
+    Args:
+        output: a finished ``RequestOutput`` or ``CompletionOutput``.
+
+    Returns:
+        The ``weight_version`` of the install that produced it, or None for the weights the engine started with.
+
+    Raises:
+        ValueError: two or more versions produced its tokens (an install ran with ``pause="keep"`` while it was in
+            flight; the message lists the spans, :func:`weight_versions_of` returns them); it has no tokens; or
+            see :func:`weight_versions_of`.
+
+    Example:
+        >>> from types import SimpleNamespace as NS
+        >>> done = NS(index=0, finish_reason="stop", weight_versions=[NS(version="7", start=0, end=5)])
+        >>> weight_version_of(NS(outputs=[done]))
+        7
+        >>> initial = NS(index=0, finish_reason="stop", weight_versions=[NS(version="default", start=0, end=5)])
+        >>> weight_version_of(initial) is None
+        True
+    """
+    versions = weight_versions_of(output)
+    if versions.mixed:
+        spans = ", ".join(
+            f"{'initial' if s.version is None else f'v{s.version}'} [{s.start}:{s.end}]" for s in versions.spans
+        )
+        raise ValueError(
+            f"more than one weight version produced this output ({spans}): an install ran with pause='keep' while "
+            "it was in flight. Use hotweights.weight_versions_of(output) to read every span."
+        )
+    return versions.first
+
+
+def _version(label: object) -> int | None:
+    if label == INITIAL_LABEL:
+        return None
+    try:
+        return int(str(label))
+    except ValueError:
+        raise ValueError(
+            f"weight version label {label!r} is not one hotweights records (hotweights records the integer "
+            f"weight_version of each install; {INITIAL_LABEL!r} marks the engine's initial weights): it was set "
+            "through vLLM's own API"
+        ) from None

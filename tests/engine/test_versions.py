@@ -1,0 +1,134 @@
+"""weight_version_of on real outputs: an in-process ``LLM`` before and after installs, and an ``AsyncLLM`` request
+in flight during a ``pause="keep"`` install (its tokens come from two versions)."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import threading
+from collections.abc import Callable, Coroutine, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+import torch
+
+import hotweights
+from hotweights import weight_version_of, weight_versions_of
+from hotweights.testing import BLOCK_SIZE
+
+from .conftest import PROMPTS, TinyCheckpoint, Variant, start_engine, stop_engine
+
+pytestmark = pytest.mark.engine
+
+T = TypeVar("T")
+VARIANT = Variant("qwen2", torch.float32, tie=False)
+_ids = itertools.count()
+
+
+def _generate(llm: Any, max_tokens: int = 8) -> list[Any]:
+    from vllm import SamplingParams
+
+    sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False)
+    return list(llm.generate([{"prompt_token_ids": p} for p in PROMPTS], sp, use_tqdm=False))
+
+
+def test_llm_outputs_name_the_version_that_produced_them(
+    checkpoint: Callable[[Variant, int], TinyCheckpoint],
+) -> None:
+    a, b = checkpoint(VARIANT, 1), checkpoint(VARIANT, 2)
+    llm = start_engine(a.path)
+    try:
+        before = _generate(llm)
+        assert [weight_version_of(o) for o in before] == [None] * len(PROMPTS)  # the weights it started with
+        assert weight_versions_of(before[0]).spans[0].end == 8
+        hotweights.install(llm, b.state_dict(), weight_version=3)
+        outs = _generate(llm)
+        assert [list(o.outputs[0].token_ids) for o in outs] == b.hf
+        assert [weight_version_of(o) for o in outs] == [3] * len(PROMPTS)
+        hotweights.install(llm, a.state_dict(), weight_version=4)
+        assert {weight_version_of(o) for o in _generate(llm)} == {4}
+    finally:
+        stop_engine(llm)
+
+
+class Loop:
+    """An event loop in a daemon thread; ``run(coro)`` awaits a coroutine on it from the test thread."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float = 300.0) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=10)
+
+
+async def _start_async(path: Path) -> Any:
+    """An ``AsyncLLM`` with hotweights' worker extension, built on the loop it will run on."""
+    import vllm.envs
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
+    getattr(vllm.envs, "disable_envs_cache", lambda: None)()
+    args = AsyncEngineArgs(
+        model=str(path), skip_tokenizer_init=True, dtype="float32", max_model_len=128, enforce_eager=True,
+        max_num_seqs=4, seed=0, kv_cache_memory_bytes=64 << 20, block_size=BLOCK_SIZE, enable_prefix_caching=True,
+        worker_extension_cls=hotweights.WORKER_EXTENSION,
+    )  # fmt: skip
+    return AsyncLLM.from_engine_args(args)
+
+
+@pytest.fixture(scope="module")
+def loop() -> Iterator[Loop]:
+    loop = Loop()
+    yield loop
+    loop.close()
+
+
+def test_async_request_in_flight_during_a_keep_install_reports_both_versions(
+    loop: Loop, checkpoint: Callable[[Variant, int], TinyCheckpoint]
+) -> None:
+    from vllm import SamplingParams
+
+    a, b = checkpoint(VARIANT, 1), checkpoint(VARIANT, 2)
+    engine = loop.run(_start_async(a.path))
+    sp = SamplingParams(temperature=0.0, max_tokens=80, ignore_eos=True, detokenize=False)
+
+    async def request(started: asyncio.Event | None = None) -> Any:
+        final = None
+        async for out in engine.generate({"prompt_token_ids": PROMPTS[-1]}, sp, request_id=f"v{next(_ids)}"):
+            if started is not None:
+                started.set()
+            final = out
+        return final
+
+    async def scenario() -> tuple[Any, Any, Any]:
+        await hotweights.install_async(engine, b.state_dict(), weight_version=1)
+        alone = await request()
+        started = asyncio.Event()
+        task = asyncio.create_task(request(started))
+        await started.wait()
+        await hotweights.install_async(engine, a.state_dict(), weight_version=2, pause="keep")
+        mixed = await asyncio.wait_for(task, 120)
+        return alone, mixed, await request()
+
+    try:
+        alone, mixed, after = loop.run(scenario())
+    finally:
+        engine.shutdown()
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    assert weight_version_of(alone) == 1
+    assert weight_version_of(after) == 2
+    spans = weight_versions_of(mixed)
+    assert spans.mixed and (spans.first, spans.last) == (1, 2) and spans.versions == (1, 2)
+    first, second = spans.spans
+    assert 0 == first.start < first.end == second.start < second.end == len(mixed.outputs[0].token_ids) == 80
+    with pytest.raises(ValueError, match=r"v1 \[0:\d+\], v2 \[\d+:80\]"):
+        weight_version_of(mixed)
