@@ -121,8 +121,30 @@ def test_sleeping_engine_is_never_written(plain: tuple[Any, TinyCheckpoint, Tiny
         with pytest.raises(EngineSleepingError, match="wake_up"):
             hotweights.install(llm, a.state_dict(), weight_version=version + 1)
         assert llm.llm_engine.get_weight_version() == str(version)
+        llm.wake_up(tags=["weights"])  # TRL's order: weights first, install, then the KV cache
+        assert llm.llm_engine.is_sleeping()  # vLLM's coarse report still says asleep; the weights are not
+        hotweights.install(llm, a.state_dict(), weight_version=version + 1)
     finally:
         llm.wake_up()
+    assert greedy_vllm(llm) == a.hf
+
+
+def test_inprocess_sleep_is_read_from_the_executor(checkpoint: Callable[[Variant, int], TinyCheckpoint]) -> None:
+    """In-process (TRL's colocate mode), the weights' own sleeping tag decides, whenever the engine slept."""
+    a, b = checkpoint(VARIANT, 1), checkpoint(VARIANT, 2)
+    llm = start_engine(a.path, multiprocess=False)
+    try:
+        llm.sleep(level=1)  # before hotweights ever saw the engine
+        if not llm.llm_engine.is_sleeping():
+            pytest.skip("this vLLM build has no sleep mode on CPU")
+        with pytest.raises(EngineSleepingError):
+            hotweights.install(llm, b.state_dict(), weight_version=1)
+        llm.wake_up(tags=["weights"])
+        hotweights.install(llm, b.state_dict(), weight_version=1)
+        llm.wake_up()
+        assert greedy_vllm(llm) == b.hf
+    finally:
+        stop_engine(llm)
 
 
 # --------------------------------------------------------------------------- the first-install race

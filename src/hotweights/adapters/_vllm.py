@@ -49,8 +49,10 @@ class VLLMEngineAdapter(WeightInstallAdapter):
         if self.engine.is_sleeping():  # its weights may be offloaded or discarded: writing them crashes the engine
             raise EngineSleepingError(
                 f"the engine ({self.engine.describe()}) is asleep, so its weights cannot be written; nothing was "
-                "written. Wake it first (llm.wake_up(), or `await engine.wake_up()` for an AsyncLLM), then install "
-                "again."
+                "written. Wake it first (llm.wake_up(), or `await engine.wake_up()` for an AsyncLLM; waking only "
+                "the weights, wake_up(tags=['weights']), is enough), then install again. An engine that slept before "
+                "hotweights first saw it is judged by vLLM's is_sleeping(), which is also True while its scheduler is "
+                "paused: resume it too."
             )
         return super()._validate(manifest, items, force)
 

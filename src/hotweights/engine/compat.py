@@ -36,6 +36,7 @@ __all__ = [
     "set_engine_weight_version",
     "tie_word_embeddings",
     "weight_transfer_backend",
+    "weights_asleep_inprocess",
     "worker_extension",
 ]
 
@@ -79,10 +80,18 @@ def has_unfinished_requests(llm: Any) -> bool:
 
 
 def is_sleeping(llm: Any) -> bool:
-    """Whether a ``vllm.LLM`` was put to sleep (``llm.sleep()``); False where this vLLM cannot tell."""
+    """vLLM's own report: True while any part of the engine sleeps *or its scheduler is paused* (coarse)."""
     engine = _llm_engine(llm)
     check = getattr(engine, "is_sleeping", None)
     return bool(check()) if callable(check) else False
+
+
+def weights_asleep_inprocess(llm: Any) -> bool | None:
+    """Whether an in-process engine's weights sleep, read from its executor's sleeping tags; None where they cannot
+    be reached (then use :func:`is_sleeping`)."""
+    inner = getattr(_llm_engine(llm).engine_core, "engine_core", None)  # InprocClient -> EngineCore
+    tags = getattr(getattr(inner, "model_executor", None), "sleeping_tags", None)
+    return "weights" in tags if isinstance(tags, set) else None
 
 
 def _model_config(llm: Any) -> Any:

@@ -20,6 +20,7 @@ from hotweights.core.manifest import ExpectedWeights
 from hotweights.engine import compat
 from hotweights.engine.expected import expected_weights
 from hotweights.handles.base import EngineHandle, PauseMode
+from hotweights.handles.sleep import SleepTracker
 
 __all__ = ["PAUSE_MODES", "AsyncLLMHandle", "PauseGate"]
 
@@ -44,6 +45,7 @@ class AsyncLLMHandle(EngineHandle):
         self.engine = engine
         self.loop: asyncio.AbstractEventLoop | None = None
         self._gate = PauseGate(self)
+        self._sleep = SleepTracker(engine, is_async=True)
         for name in REQUEST_METHODS:
             method = getattr(engine, name, None)
             if callable(method) and not hasattr(method, "__hotweights_gate__"):
@@ -111,7 +113,7 @@ class AsyncLLMHandle(EngineHandle):
         return str(self.run(self.engine.get_weight_version(), SHORT_TIMEOUT, "get_weight_version"))
 
     def is_sleeping(self) -> bool:
-        return bool(self.run(self.engine.is_sleeping(), SHORT_TIMEOUT, "is_sleeping"))
+        return self._sleep.asleep(lambda: bool(self.run(self.engine.is_sleeping(), SHORT_TIMEOUT, "is_sleeping")))
 
     def clear_kv_cache(self) -> int | None:
         if self.worker_extension != compat.WORKER_EXTENSION:

@@ -9,6 +9,7 @@ from hotweights.core.manifest import ExpectedWeights
 from hotweights.engine import compat
 from hotweights.engine.expected import expected_weights
 from hotweights.handles.base import EngineHandle
+from hotweights.handles.sleep import SleepTracker
 
 __all__ = ["LLMHandle"]
 
@@ -24,6 +25,7 @@ class LLMHandle(EngineHandle):
             raise TypeError(f"LLMHandle takes a vllm.LLM, not {type(llm).__name__}")
         self.llm = llm
         self._gate: ServingGate | None = None
+        self._sleep = SleepTracker(llm, is_async=False)
 
     @property
     def num_workers(self) -> int:
@@ -65,7 +67,10 @@ class LLMHandle(EngineHandle):
         return compat.engine_weight_version(self.llm)
 
     def is_sleeping(self) -> bool:
-        return compat.is_sleeping(self.llm)
+        exact = compat.weights_asleep_inprocess(self.llm)
+        if exact is not None:
+            return exact
+        return self._sleep.asleep(lambda: compat.is_sleeping(self.llm))
 
     def clear_kv_cache(self) -> int | None:
         if self.inprocess:
