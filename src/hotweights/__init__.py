@@ -29,6 +29,7 @@ from hotweights.core.manifest import ExpectedWeights, TensorSpec, WeightUpdateMa
 from hotweights.core.report import InstallReport
 from hotweights.engine.compat import WORKER_EXTENSION
 from hotweights.handles import EngineHandle, PauseMode, as_engine
+from hotweights.handles.remote import connect
 from hotweights.transports import WeightTransport, available_transports, make_transport, register_transport
 from hotweights.versions import WeightVersions, weight_version_of, weight_versions_of
 
@@ -65,6 +66,7 @@ __all__ = [
     "adapter_for",
     "as_engine",
     "available_transports",
+    "connect",
     "install",
     "install_async",
     "make_transport",

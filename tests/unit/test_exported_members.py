@@ -45,6 +45,7 @@ EXPECTED_ALL = [
     "adapter_for",
     "as_engine",
     "available_transports",
+    "connect",
     "install",
     "install_async",
     "make_transport",

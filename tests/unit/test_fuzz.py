@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -942,6 +943,61 @@ def test_staging_refuses_one_flipped_byte_with_from_state_dict_digests(
         area.stage("fuzz-update", target.model_dump_json(), _bytes_descriptor(bytes(payload)))
     assert entry.name in str(info.value)
     assert _snapshot(area) == before
+
+
+# ============================================================================================ shm descriptors
+_SHM_KINDS = ["regular", "symlink", "directory", "fifo", "absent"]
+
+
+@FUZZ
+@given(
+    st.one_of(
+        st.text(st.characters(codec="ascii", exclude_characters="\x00/"), min_size=1, max_size=40),
+        st.builds(
+            lambda h, extra: f"hotweights-{os.getpid()}-{h}{extra}",
+            st.text("0123456789abcdefABCDEF-", min_size=31, max_size=33),
+            st.sampled_from(["", "x", ".tmp"]),
+        ),
+    ),
+    st.sampled_from(_SHM_KINDS),
+    st.sampled_from(["", "sub/", "../", "./", "/tmp/"]),
+)
+def test_shm_open_bucket_maps_only_hotweights_segment_files(name: str, kind: str, where: str) -> None:
+    """A worker maps a regular file in SHM_DIR named like a hotweights segment; any other path in a descriptor
+    (a symlink, a directory, a FIFO, another name, another directory) raises and maps nothing."""
+    from hotweights.transports import shm
+
+    if name in (".", ".."):
+        return
+    path = shm.SHM_DIR / name
+    created = False
+    if where == "" and not path.exists() and not path.is_symlink() and kind != "absent":
+        created = True
+        if kind == "regular":
+            path.write_bytes(b"\0" * 8)
+        elif kind == "symlink":
+            path.symlink_to("/etc/hostname")
+        elif kind == "directory":
+            path.mkdir()
+        else:
+            os.mkfifo(path)
+    raw = f"{where}{name}" if where.startswith("/") else f"{shm.SHM_DIR}/{where}{name}"
+    try:
+        try:
+            buffer, _ = shm.open_bucket({"transport": "shm", "path": raw, "nbytes": 8})
+        except (ValueError, OSError):
+            mapped = False
+        else:
+            mapped = True
+            assert buffer.numel() == 8
+        ok = created and kind == "regular" and shm._SEGMENT_NAME.fullmatch(name) is not None
+        assert mapped == ok, (raw, kind)
+    finally:
+        if created:
+            if kind == "directory":
+                path.rmdir()
+            else:
+                path.unlink()
 
 
 # ============================================================================================ profile check

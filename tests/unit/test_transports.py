@@ -305,6 +305,38 @@ class TestShm:
         with pytest.raises(ValueError, match="refusing to map"):
             shm.open_bucket({"transport": "shm", "path": path, "nbytes": 8})
 
+    @pytest.mark.parametrize("kind", ["symlink", "directory", "fifo", "wrong-name", "outside", "kept-symlink"])
+    def test_open_bucket_maps_only_regular_segment_files(self, kind: str, tmp_path: Path) -> None:
+        """Engine side: a descriptor names a regular file in SHM_DIR with a segment's own name, or is refused."""
+        name = f"hotweights-{os.getpid()}-{'e' * 32}"
+        path = shm.SHM_DIR / name
+        target = tmp_path / "secret"
+        target.write_bytes(b"\1" * 64)
+        descriptor: dict[str, Any] = {"transport": "shm", "path": str(path), "nbytes": 8}
+        try:
+            if kind in ("symlink", "kept-symlink"):
+                path.symlink_to(target)
+                if kind == "kept-symlink":
+                    descriptor["segment"] = "e" * 32
+            elif kind == "directory":
+                path.mkdir()
+            elif kind == "fifo":
+                os.mkfifo(path)  # opening it for reading would block without O_NONBLOCK
+            elif kind == "wrong-name":
+                descriptor["path"] = str(shm.SHM_DIR / f"hotweights-{os.getpid()}-notahexid")
+                Path(descriptor["path"]).write_bytes(b"\0" * 8)
+            else:
+                descriptor["path"] = str(target)
+            with pytest.raises(ValueError, match="refusing to map"):
+                shm.open_bucket(descriptor, _Worker())
+        finally:
+            for p in (path, Path(descriptor["path"])):
+                if p.is_dir() and not p.is_symlink():
+                    p.rmdir()
+                elif p != target:
+                    p.unlink(missing_ok=True)
+        assert target.read_bytes() == b"\1" * 64
+
     def test_open_bucket_refuses_a_short_file(self) -> None:
         tensors = {"w": torch.arange(10, dtype=torch.int64)}  # 80 bytes
         bucket = plan_buckets(_manifest(tensors), bucket_bytes=1024)[0]

@@ -1,0 +1,397 @@
+"""The handle of a remote ``vllm serve`` process, reached over HTTP or a Unix socket.
+
+``engine = hotweights.connect("http://127.0.0.1:8000")`` returns a :class:`RemoteHandle`; ``hotweights.install``
+takes it like a local engine (same contract, report and errors). Every worker call is ``POST /collective_rpc``
+with JSON arguments (the shm and collective transports' descriptors are JSON; the ``bytes`` transport's are not and
+is refused); generation is kept off the weights by ``POST /pause`` ... ``POST /resume``. These are vLLM's dev and RL
+routes: the server runs with ``VLLM_SERVER_DEV_MODE=1``, and with hotweights' worker extension
+(``--worker-extension-cls``) or its weight-transfer backend (``--weight-transfer-config '{"backend":"hotweights"}'``).
+
+Security: vLLM's ``--api-key`` guards only ``/v1``-style paths; the dev routes used here are open to anyone who
+reaches the port. Keep such a server on loopback, on a Unix socket, or behind a proxy that authenticates.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, ClassVar
+from urllib.parse import urlsplit
+
+import httpx
+
+from hotweights.core.errors import EngineNotSupportedError, HotWeightsError, HotWeightsTimeoutError, InstallError
+from hotweights.core.manifest import ExpectedWeights, TensorSpec, WeightUpdateManifest
+from hotweights.engine.compat import WORKER_EXTENSION
+from hotweights.engine.vllm_plugin import BACKEND
+from hotweights.handles.base import EngineHandle, PauseMode
+
+__all__ = ["PAUSE_MODES", "RemoteGate", "RemoteHandle", "connect"]
+
+PAUSE_MODES: tuple[PauseMode, ...] = ("wait", "abort", "keep")
+#: How to start a server hotweights can install into (named by every "not supported" error).
+SERVER_FLAGS = (
+    f"start it with VLLM_SERVER_DEV_MODE=1 and --worker-extension-cls {WORKER_EXTENSION} (or --weight-transfer-config "
+    f'\'{{"backend":"{BACKEND}"}}\'), e.g. `python -m hotweights.serve --model DIR`'
+)
+#: Seconds a resume, a version record or a cache reset may take.
+SHORT_TIMEOUT = 60.0
+_TIED_LM_HEAD = "lm_head.weight"
+#: Idle connections are dropped before the server's keep-alive timeout (uvicorn: 5 s) closes them under a request.
+_LIMITS = httpx.Limits(max_connections=32, max_keepalive_connections=8, keepalive_expiry=2.0)
+
+
+def connect(
+    url: str,
+    *,
+    api_key: str | None = None,
+    timeout: float = 60.0,
+    expected: ExpectedWeights | str | Path | None = None,
+    transport: httpx.BaseTransport | None = None,
+) -> RemoteHandle:
+    """A handle on the ``vllm serve`` process at ``url``, for :func:`hotweights.install`.
+
+    Args:
+        url: ``http://host:port`` (or ``https://``), or ``unix:///path/to.sock`` for a server started with
+            ``--uds``.
+        api_key: sent as ``Authorization: Bearer`` (vLLM checks it on ``/v1`` only; see the module docstring).
+        timeout: seconds to connect, and for each short request (pause, resume, version, cache reset).
+            Worker calls take the adapter's ``rpc_timeout``.
+        expected: what the engine accepts (an :class:`~hotweights.ExpectedWeights`, or a checkpoint directory to
+            read it from). Default: the served model's directory when this process can read it; else None, and
+            only the workers check the update (after it was sent).
+        transport: an ``httpx`` transport to use instead of the network (e.g. ``httpx.MockTransport`` in tests).
+
+    Raises:
+        HotWeightsTimeoutError: the server cannot be reached within ``timeout``.
+        EngineNotSupportedError: the server lacks the dev routes, or runs neither hotweights' worker extension nor
+            its weight-transfer backend (the message names the flags to start it with).
+
+    Example:
+        >>> engine = hotweights.connect("http://127.0.0.1:8000")                          # doctest: +SKIP
+        >>> hotweights.install(engine, model.state_dict(), weight_version=step)            # doctest: +SKIP
+    """
+    return RemoteHandle(url, api_key=api_key, timeout=timeout, expected=expected, transport=transport)
+
+
+class RemoteHandle(EngineHandle):
+    """A ``vllm serve`` process (an ``AsyncLLM`` behind vLLM's OpenAI server), driven through its HTTP routes."""
+
+    kind: ClassVar[str] = "remote"
+    pause_modes: ClassVar[tuple[PauseMode, ...]] = PAUSE_MODES
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        api_key: str | None = None,
+        timeout: float = 60.0,
+        expected: ExpectedWeights | str | Path | None = None,
+        transport: httpx.BaseTransport | None = None,
+    ) -> None:
+        self.url = url
+        self.timeout = timeout
+        parts = urlsplit(url)
+        uds: str | None = None
+        if parts.scheme == "unix":
+            if not parts.path:
+                raise ValueError(f"{url!r}: a Unix socket URL is unix:///path/to.sock")
+            base_url, self._host, uds = "http://localhost", "", parts.path
+        elif parts.scheme in ("http", "https") and parts.hostname:
+            base_url, self._host = url.rstrip("/"), parts.hostname
+        else:
+            raise ValueError(f"{url!r} is not a server URL: use http://host:port or unix:///path/to.sock")
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+        def client() -> httpx.Client:
+            # trust_env=False: a proxy set for the internet must not carry requests meant for this server.
+            http = transport or httpx.HTTPTransport(uds=uds, limits=_LIMITS)
+            return httpx.Client(base_url=base_url, transport=http, headers=headers, timeout=timeout, trust_env=False)
+
+        self._new_client = client
+        self._client = client()
+        self._gate = RemoteGate(self)
+        self._num_workers = int(self._request("GET", "/get_world_size", params={"include_dp": "false"})["world_size"])
+        self._config = self._server_config()
+        self.served_model = self._served_model()
+        """The served model's path (or name), as the server reports it."""
+        self._extension, self._backend = self._detect()
+        if not self._extension and not self._backend:
+            self.close()
+            raise EngineNotSupportedError(
+                f"the server at {url} runs neither hotweights' worker extension nor its weight-transfer backend; "
+                + SERVER_FLAGS
+            )
+        self._expected = _read_expected(expected, self.served_model, self._config)
+
+    # ------------------------------------------------------------------------------------------------ HTTP
+    def _request(
+        self,
+        method: str,
+        path: str,
+        *,
+        json_body: Any = None,
+        params: dict[str, str] | None = None,
+        timeout: float | None = -1.0,
+        what: str | None = None,
+    ) -> Any:
+        """One request; the decoded JSON answer (None for an empty one). Maps failures to hotweights' errors.
+
+        ``timeout``: seconds to wait for the answer (None: no limit; negative: the handle's ``timeout``)."""
+        what = what or f"{method} {path}"
+        seconds = self.timeout if timeout is not None and timeout < 0 else timeout
+        wait = httpx.Timeout(self.timeout, read=seconds, write=seconds)
+        try:
+            try:
+                response = self._client.request(method, path, json=json_body, params=params, timeout=wait)
+            except (httpx.ReadError, httpx.RemoteProtocolError):
+                if method != "GET":  # a POST may have reached the server: never sent twice
+                    raise
+                # a kept-alive connection the server had just closed: a GET is safe to send again
+                response = self._client.request(method, path, params=params, timeout=wait)
+        except httpx.TimeoutException as exc:
+            raise HotWeightsTimeoutError(
+                f"the server at {self.url} did not answer {what} within {seconds} s; check it is alive and not "
+                "blocked, or raise the timeout"
+            ) from exc
+        except httpx.TransportError as exc:
+            raise HotWeightsTimeoutError(
+                f"cannot reach the server at {self.url} for {what} ({type(exc).__name__}: {exc}); check it is running "
+                "and listening there"
+            ) from exc
+        if response.is_success:
+            return response.json() if response.content else None
+        message = _error_message(response)
+        if response.status_code >= 500:
+            # The server closes the connection after an unhandled error, while this pool would keep it alive: the
+            # next request on it would fail with "connection reset". Start a fresh pool (the old one goes with GC).
+            self._client = self._new_client()
+        if response.status_code == 404:
+            raise EngineNotSupportedError(
+                f"the server at {self.url} has no {path} route (HTTP 404: {message}): hotweights needs vLLM's dev "
+                f"and RL routes; {SERVER_FLAGS}"
+            )
+        if response.status_code in (401, 403):
+            raise EngineNotSupportedError(
+                f"the server at {self.url} refused {what} (HTTP {response.status_code}: {message}); pass its key "
+                "as connect(url, api_key=...)"
+            )
+        raise InstallError(f"the server at {self.url} failed {what} (HTTP {response.status_code}): {message}")
+
+    def _server_config(self) -> dict[str, Any]:
+        """The server's ``VllmConfig`` as JSON (dev route ``/server_info``); empty when it cannot be read."""
+        try:
+            info = self._request("GET", "/server_info", params={"config_format": "json"})
+        except HotWeightsError:
+            return {}
+        config = info.get("vllm_config") if isinstance(info, dict) else None
+        return config if isinstance(config, dict) else {}
+
+    def _served_model(self) -> str:
+        model = _dig(self._config, "model_config", "model")
+        if isinstance(model, str) and model:
+            return model
+        data = (self._request("GET", "/v1/models") or {}).get("data") or [{}]
+        return str(data[0].get("root") or data[0].get("id") or "")
+
+    def _detect(self) -> tuple[str, str]:
+        """(worker extension, weight-transfer backend): from the server's config, else by a cheap probe."""
+        if self._config:
+            ext = _dig(self._config, "parallel_config", "worker_extension_cls")
+            backend = _dig(self._config, "weight_transfer_config", "backend")
+            return (str(ext) if ext else ""), (str(backend) if backend else "")
+        try:
+            answers = self.call("hotweights_ping", timeout=self.timeout)
+        except InstallError:  # the workers have no such method: no extension (a backend cannot be probed safely)
+            return "", ""
+        return (WORKER_EXTENSION if answers and all(a == "hotweights" for a in answers) else ""), ""
+
+    # ------------------------------------------------------------------------------------------------ contract
+    @property
+    def num_workers(self) -> int:
+        return self._num_workers
+
+    @property
+    def worker_extension(self) -> str:
+        return self._extension
+
+    @property
+    def weight_transfer_backend(self) -> str:
+        return self._backend
+
+    @property
+    def same_host(self) -> bool:
+        """True for a Unix socket and for loopback addresses (the workers then map this host's ``/dev/shm``)."""
+        if not self._host:
+            return True
+        if self._host == "localhost":
+            return True
+        try:
+            return ipaddress.ip_address(self._host).is_loopback
+        except ValueError:
+            return False
+
+    @property
+    def default_transport(self) -> str:
+        """``"shm"`` on this host; else ``"collective"`` (for a trainer reachable from the server at an address
+        other than loopback, build the adapter with ``make_transport("collective", host=<trainer address>)``)."""
+        return "shm" if self.same_host else "collective"
+
+    def call(
+        self, method: str, *args: Any, timeout: float | None = None, kwargs: dict[str, Any] | None = None
+    ) -> list[Any]:
+        body = {"method": method, "args": list(args), "kwargs": kwargs or {}, "timeout": timeout}
+        try:
+            json.dumps(body)  # fail before any I/O on a value JSON cannot carry
+        except (TypeError, ValueError) as exc:
+            binary = "bytes" if _has_bytes(body) else "a value JSON cannot carry"
+            raise EngineNotSupportedError(
+                f"{method!r} cannot reach a remote server: its arguments hold {binary} ({exc}), and worker calls "
+                "travel as JSON. Use the 'shm' transport (same host) or 'collective' (any host), not 'bytes'."
+            ) from exc
+        wait = None if timeout is None else timeout + 5.0  # vLLM's own timeout fires first
+        answer = self._request("POST", "/collective_rpc", json_body=body, timeout=wait, what=f"worker call {method!r}")
+        results = answer.get("results") if isinstance(answer, dict) else None
+        return results if isinstance(results, list) else [None] * self._num_workers
+
+    def expected_weights(self) -> ExpectedWeights | None:
+        return self._expected
+
+    @property
+    def gate(self) -> RemoteGate:
+        return self._gate
+
+    def reset_prefix_cache(self) -> bool:
+        # Requests frozen by pause="keep" hold blocks: drop theirs too (they recompute on the new weights).
+        params = {"reset_running_requests": "true" if self.pause_mode == "keep" else "false"}
+        answer = self._request("POST", "/reset_prefix_cache", params=params, timeout=SHORT_TIMEOUT)
+        return bool((answer or {}).get("success", False))
+
+    def set_weight_version(self, version: str) -> str | None:
+        self._request("POST", "/update_weight_version", json_body={"new_version": version}, timeout=SHORT_TIMEOUT)
+        return self.get_weight_version()
+
+    def get_weight_version(self) -> str | None:
+        version = (self._request("GET", "/weight_info", timeout=SHORT_TIMEOUT) or {}).get("weight_version")
+        return None if version is None else str(version)
+
+    def is_sleeping(self) -> bool:
+        try:
+            answer = self._request("GET", "/is_sleeping", timeout=SHORT_TIMEOUT)
+        except EngineNotSupportedError:  # a vLLM without the route cannot sleep through it either
+            return False
+        return bool((answer or {}).get("is_sleeping", False))
+
+    def clear_kv_cache(self) -> int | None:
+        if self._extension != WORKER_EXTENSION:
+            return None
+        return sum(int(n) for n in self.call("hotweights_clear_kv_cache", timeout=SHORT_TIMEOUT))
+
+    def describe(self) -> str:
+        how = "worker extension" if self._extension else f"weight-transfer backend {self._backend!r}"
+        return f"vllm serve at {self.url} ({self._num_workers} worker(s), {how}, pause={self.pause_mode!r})"
+
+    def close(self) -> None:
+        """Close the HTTP connections (the server keeps running)."""
+        self._client.close()
+
+    def __enter__(self) -> RemoteHandle:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+class RemoteGate:
+    """The :class:`~hotweights.core.gate.WriteGate` of a server: ``POST /pause?mode=...``, then ``/resume``.
+
+    Fails closed across the wire: after an install that failed while writing (:meth:`refuse`), the server is left
+    paused (requests queue, none is served from a mix of old and new layers) until a full install succeeds or
+    :meth:`reopen` is called (``adapter.reopen_serving()``).
+    """
+
+    def __init__(self, handle: RemoteHandle) -> None:
+        self.handle = handle
+        self.refusal: str | None = None
+        self._holding = False
+
+    @contextmanager
+    def installing(self, timeout: float | None = None) -> Iterator[float]:
+        handle, start = self.handle, time.perf_counter()
+        mode = handle.pause_mode
+        # "keep" leaves frozen requests their KV blocks; the other modes drain, so the caches can go now.
+        params = {"mode": mode, "clear_cache": "false" if mode == "keep" else "true"}
+        self._holding = True
+        try:
+            handle._request("POST", "/pause", params=params, timeout=timeout, what=f"pause (mode={mode!r})")
+            yield time.perf_counter() - start
+        finally:
+            self._holding = False
+            if self.refusal is None:
+                handle._request("POST", "/resume", timeout=SHORT_TIMEOUT)
+
+    def refuse(self, reason: str) -> None:
+        self.refusal = reason
+
+    def reopen(self) -> None:
+        was, self.refusal = self.refusal, None
+        if was is not None and not self._holding:  # inside an install, the gate resumes once it is done
+            self.handle._request("POST", "/resume", timeout=SHORT_TIMEOUT)
+
+
+def _read_expected(
+    expected: ExpectedWeights | str | Path | None, served: str, config: dict[str, Any]
+) -> ExpectedWeights | None:
+    """``expected`` as given, else read from the served model's directory when this process can read it."""
+    if isinstance(expected, ExpectedWeights):
+        return expected
+    model_dir = Path(expected) if expected is not None else Path(served) if served else None
+    if model_dir is None or not model_dir.is_dir() or not any(model_dir.glob("*.safetensors")):
+        if expected is not None:
+            raise ValueError(f"expected={str(expected)!r} is not a directory holding *.safetensors")
+        return None
+    ckpt = WeightUpdateManifest.from_safetensors(model_dir, weight_version=0)
+    dtype = str(_dig(config, "model_config", "dtype") or "").removeprefix("torch.")
+    specs = {
+        name: TensorSpec(shape=s.shape, dtype=dtype) if dtype and s.torch_dtype.is_floating_point else s
+        for name, s in ckpt.tensors.items()
+    }
+    # A checkpoint without lm_head.weight is tied: the engine reads the embedding and ignores a sent lm_head.
+    ignored = {} if _TIED_LM_HEAD in specs else {_TIED_LM_HEAD: "tied to the input embedding; the engine reads it"}
+    return ExpectedWeights(specs, ignored)
+
+
+def _dig(config: dict[str, Any], *keys: str) -> Any:
+    value: Any = config
+    for key in keys:
+        value = value.get(key) if isinstance(value, dict) else None
+    return value
+
+
+def _has_bytes(value: Any) -> bool:
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return True
+    if isinstance(value, dict):
+        return any(_has_bytes(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return any(_has_bytes(v) for v in value)
+    return False
+
+
+def _error_message(response: httpx.Response) -> str:
+    """The server's error text: vLLM answers ``{"error": {"message": ...}}``, ``{"error": "..."}`` or
+    ``{"detail": ...}``."""
+    try:
+        body = response.json()
+    except ValueError:
+        return response.text.strip()[:2000] or response.reason_phrase
+    if isinstance(body, dict):
+        error = body.get("error", body.get("detail", body))
+        if isinstance(error, dict) and "message" in error:
+            return str(error["message"])
+        return str(error)
+    return str(body)

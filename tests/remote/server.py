@@ -1,0 +1,86 @@
+"""Start and stop a real ``vllm serve`` process on loopback for the remote tests."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from hotweights.serve import server_command
+
+#: CPU-sized engine settings (see /work/shared/VLLM_NOTES.md): fp32, no tokenizer, small KV cache, prefix caching.
+CPU_FLAGS = [
+    "--dtype", "float32", "--skip-tokenizer-init", "--enforce-eager", "--max-model-len", "512",
+    "--kv-cache-memory-bytes", str(64 << 20), "--block-size", "32", "--enable-prefix-caching",
+    "--max-num-seqs", "4", "--seed", "0",
+]  # fmt: skip
+START_TIMEOUT = 240.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Server:
+    """One server process (its own process group, so that stopping it takes vLLM's engine core too)."""
+
+    proc: subprocess.Popen[bytes]
+    url: str
+    model: str
+    log: Path
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, sig)
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(30)
+
+    def completions(self, prompts: list[list[int]], max_tokens: int = 8) -> list[list[int]]:
+        """Greedy token ids for each prompt, through ``/v1/completions``."""
+        out = []
+        with httpx.Client(base_url=self.url, trust_env=False, timeout=60.0) as client:
+            for prompt in prompts:
+                body = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+                        "ignore_eos": True, "return_token_ids": True}  # fmt: skip
+                answer = client.post("/v1/completions", json=body)
+                answer.raise_for_status()
+                out.append(list(answer.json()["choices"][0]["token_ids"]))
+        return out
+
+
+def start_server(model: Path, log: Path, setup: str = "extension") -> Server:
+    """Start a server on an ephemeral loopback port and wait until it serves ``/v1/models``."""
+    port = free_port()
+    cmd = server_command(str(model), port=port, setup=setup, extra=CPU_FLAGS)
+    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
+    env.pop("VLLM_ALLOW_INSECURE_SERIALIZATION", None)
+    with log.open("wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    server = Server(proc, f"http://127.0.0.1:{port}", str(model), log)
+    deadline = time.monotonic() + START_TIMEOUT
+    while time.monotonic() < deadline:
+        if not server.alive():
+            raise RuntimeError(f"vllm serve exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(f"{server.url}/v1/models", timeout=2.0, trust_env=False).is_success:
+                return server
+        time.sleep(0.5)
+    server.kill()
+    raise RuntimeError(f"vllm serve did not come up within {START_TIMEOUT} s:\n{log.read_text()[-3000:]}")
