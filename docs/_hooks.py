@@ -1,7 +1,8 @@
 """mkdocs hooks of the hotweights site (``hooks:`` in mkdocs.yml; not a page).
 
 - The README is the site's Quickstart page (``quickstart.md``, generated at build time), so it is written once.
-  Its ``docs/...`` links become site links, and ``../README.md`` links in the pages point at the Quickstart.
+  Its ``docs/...`` links become site links, its links to other repository files (``examples/...``) plain text, and
+  ``../README.md`` links in the pages point at the Quickstart.
 - The nav lists pages that may not exist yet (pages being written); missing ones are left out, with an INFO line.
 - Links to the hand-kept ``api.md`` that the generated reference replaced are redirected to the reference, with an
   INFO line naming the page to update.
@@ -47,6 +48,7 @@ OLD_API = {
 _OLD_ANCHORS = {name.lower(): name for name in OLD_API}
 
 _LINK = re.compile(r"\]\(([^)\s#]+\.md)(#[^)\s]*)?\)")
+_REPO_LINK = re.compile(r"\[([^\]]+)\]\((?!docs/|[a-z]+://|#)[^)\s]+\)")
 _ROLE = re.compile(r":(?:class|meth|func|data|attr|mod|exc|obj):(<code>)~?")
 
 
@@ -73,6 +75,7 @@ def _existing(nav: list[Any], docs: Path) -> list[Any]:
 
 def on_files(files: Files, config: Any) -> Files:
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    readme = _REPO_LINK.sub(r"\1", readme)  # links to repository files (examples/...) outside the site: text only
     files.append(File.generated(config, QUICKSTART, content=readme.replace("](docs/", "](")))
     return files
 

@@ -159,10 +159,20 @@ def greedy_vllm(llm: Any, prompts: Sequence[Sequence[int]] = PROMPTS, max_tokens
 
 @torch.no_grad()
 def greedy_hf(model: Any, prompts: Sequence[Sequence[int]] = PROMPTS, max_tokens: int = 8) -> list[list[int]]:
-    """Greedy token ids from a transformers model, one prompt at a time (no padding)."""
+    """Greedy token ids from a transformers model, one prompt at a time (no padding).
+
+    A plain argmax decode, like vLLM's ``ignore_eos=True`` greedy sampling: the end-of-sequence token may be picked
+    and decoding goes on (``generate(min_new_tokens=...)`` would forbid it instead).
+    """
     result = []
     for p in prompts:
         ids = torch.tensor([list(p)])
-        out = model.generate(ids, max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False, pad_token_id=1)
-        result.append(out[0, len(p) :].tolist())
+        out = model(ids, use_cache=True)
+        new: list[int] = []
+        while True:
+            new.append(int(out.logits[0, -1].argmax()))
+            if len(new) == max_tokens:
+                break
+            out = model(torch.tensor([new[-1:]]), past_key_values=out.past_key_values, use_cache=True)
+        result.append(new)
     return result
