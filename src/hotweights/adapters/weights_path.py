@@ -15,7 +15,7 @@ from hotweights.adapters._vllm import VLLMEngineAdapter
 from hotweights.adapters.base import Items, PrefixCachePolicy
 from hotweights.core.manifest import ExpectedWeights, WeightUpdateManifest
 from hotweights.core.report import PhaseTimer
-from hotweights.transports.shm import SHM_DIR
+from hotweights.transports.shm import SHM_DIR, sweep_stale
 
 __all__ = ["VLLMWeightsPathAdapter"]
 
@@ -69,6 +69,7 @@ class VLLMWeightsPathAdapter(VLLMEngineAdapter):
             guard_generation=guard_generation,
         )
         self.rpc_timeout = rpc_timeout
+        sweep_stale(min_age=60.0)  # checkpoint directories of trainers that died mid-install
 
     def _install(self, manifest: WeightUpdateManifest, items: Items, timer: PhaseTimer) -> dict[str, int]:
         directory = Path(tempfile.mkdtemp(prefix=f"hotweights-{os.getpid()}-ckpt-", dir=SHM_DIR))
