@@ -63,6 +63,8 @@ MODELS: dict[str, dict[str, dict[str, Any]]] = {
 IN_PROCESS = "in-process adapter"
 ZERO_CONFIG = "zero-config: vLLM reload_weights(weights_path), /dev/shm checkpoint"
 KEPT_DIRECT = "multiprocess shm, kept segments, direct setter"
+#: ``VLLMMultiprocessAdapter(llm)`` with no options: what ``hotweights.install`` takes on an extension engine.
+DEFAULT = "multiprocess default (shm, install_method='auto', atomic)"
 KEPT_STREAMING = "multiprocess shm, kept segment, direct setter, streaming"
 #: The issue's baseline, "one collective_rpc per tensor inside one reload session": each RPC carries one tensor and
 #: feeds it to ``model.load_weights`` inside one open layerwise reload (a streaming session, 1-byte buckets).
@@ -242,6 +244,7 @@ def bench_model(name: str, size: str, repeats: int, tmp: Path) -> tuple[list[Row
     try:
         shm = TimedShm()
         methods: list[tuple[str, str | WeightTransport, int | None, str]] = [
+            (DEFAULT, "shm", None, "auto"),
             ("multiprocess shm", shm, None, "reload"),
             ("multiprocess shm, direct setter", "shm", None, "direct"),
             ("multiprocess shm, kept segments", make_transport("shm", keep_segments=True), None, "reload"),
@@ -291,6 +294,7 @@ def bench_model(name: str, size: str, repeats: int, tmp: Path) -> tuple[list[Row
         # Correctness: the last install of B goes through shm; greedy tokens must equal HF's on B.
         shm_adapter = adapters[0]
         run(run.adopt(shm_adapter), pair[1])
+        print(f"[{name}] default path: {run.reports[-1]}")
         got, want = greedy_vllm(llm, PROMPTS[:2], max_tokens=4), greedy_hf(models[1], PROMPTS[:2], max_tokens=4)
         ok = got == want
         print(f"[{name}] greedy after shm install of B == HF on B: {ok} (vLLM {got}, HF {want})")
@@ -436,6 +440,8 @@ def main() -> None:
         for method in [m for mod, m, _, _ in rows if mod == model and m.startswith("multiprocess shm")]:
             ratio = s[model, IN_PROCESS] / s[model, method]
             print(f"[{model}] {method} GB/s / in-process GB/s = {ratio:.2f} (target >= 0.8)")
+    for model in checks:
+        print(f"[{model}] {DEFAULT} speed / in-process adapter speed = {s[model, IN_PROCESS] / s[model, DEFAULT]:.2f}x")
     if "many" in checks:
         for method in [m for model, m, _, _ in rows if model == "many" and m.startswith("multiprocess shm")]:
             ratio, staged = s["many", PER_TENSOR] / s["many", method], s["many", PER_TENSOR_STAGED] / s["many", method]

@@ -83,6 +83,7 @@ class WeightInstallAdapter(ABC):
         self.gate = gate
         """Held alone from the first write to the prefix-cache reset, so no generation call sees a mix."""
         self._writing = ExitStack()
+        self._path: tuple[str, str] | None = None  # set by _ran() during an install, read into its report
 
     @property
     def label(self) -> str:
@@ -162,6 +163,7 @@ class WeightInstallAdapter(ABC):
                 f"{type(exc).__name__}: {exc}. Some layers may hold new weights; {cleared}. Install a full update "
                 f"again before serving.{closed}"
             ) from exc
+        path, self._path = self._path, None
         previous = self.active_weight_version
         # The new weights are in: from here on the engine serves them, whatever happens next.
         self.reopen_serving()  # a complete install heals a failed one
@@ -191,6 +193,8 @@ class WeightInstallAdapter(ABC):
             prefix_cache_reset=reset,
             engine_weight_version=engine_version,
             digests_verified=int(summary.get("digests_verified", 0)),
+            install_method=path[0] if path else None,
+            install_reason=path[1] if path else None,
             phases=timer.phases,
         )
 
@@ -238,6 +242,11 @@ class WeightInstallAdapter(ABC):
         gate, and a failure after it triggers :meth:`_recover`. May return counters for the report
         (``digests_verified``).
         """
+
+    def _ran(self, method: str, reason: str) -> None:
+        """Called by an adapter's :meth:`_install`: which install path ran (e.g. ``"direct"``) and why, for the
+        report (``install_method``, ``install_reason``)."""
+        self._path = (method, reason)
 
     def _recover(self) -> str:
         """After a failure that may have touched live weights: make stale or poisoned KV state unservable.

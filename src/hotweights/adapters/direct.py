@@ -81,4 +81,5 @@ class VLLMDirectSetterAdapter(VLLMEngineAdapter):
         self._begin_writing(timer)
         with timer("install"):
             apply_direct(self.model, plan, dict(items))
+        self._ran("direct", "VLLMDirectSetterAdapter writes the parameters in place")
         return self._digests(manifest)

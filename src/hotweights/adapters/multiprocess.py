@@ -22,7 +22,8 @@ class VLLMMultiprocessAdapter(VLLMTransportAdapter):
     """Installs into an engine started with ``worker_extension_cls=hotweights.WORKER_EXTENSION``.
 
     The update is cut into buckets; each bucket goes through the transport and is staged by every worker with one
-    RPC; a final RPC installs everything staged in one layerwise reload. Until then the model is untouched: any
+    RPC; a final RPC installs everything staged (by default with the direct setter where it is proven safe, else in
+    one layerwise reload: see ``install_method``). Until then the model is untouched: any
     failure aborts the session and the previous weights keep serving (``commit="atomic"``, the default). The
     engine host then holds the whole update once, on top of the model.
 
@@ -39,8 +40,11 @@ class VLLMMultiprocessAdapter(VLLMTransportAdapter):
         transport: ``"shm"`` (default, same host), ``"bytes"``, or a :class:`WeightTransport` instance.
         bucket_bytes: bucket size (default: the transport's ``preferred_bucket_bytes``, capped at an eighth of
             available memory).
-        install_method: how the workers install what they staged: ``"reload"`` (vLLM's layerwise reload) or
-            ``"direct"`` (the direct setter: planned, then copied into the parameters in place).
+        install_method: how the workers install what they staged: ``"auto"`` (default: the direct setter where
+            the workers' plan proves it safe at ``begin``, else vLLM's layerwise reload; see
+            :func:`~hotweights.engine.direct.direct_refusals`), ``"direct"`` (the direct setter: planned, then copied
+            into the parameters in place) or ``"reload"``. ``report.install_method``/``install_reason`` say which
+            ran and why.
         commit: ``"atomic"`` (stage everything, then install: all or nothing) or ``"streaming"`` (install bucket
             by bucket: memory bounded by the bucket, a failed transfer leaves a partial update).
         expected, prefix_cache, lock_timeout: see :class:`WeightInstallAdapter`.
@@ -62,7 +66,7 @@ class VLLMMultiprocessAdapter(VLLMTransportAdapter):
         *,
         transport: str | WeightTransport = "shm",
         bucket_bytes: int | None = None,
-        install_method: str = "reload",
+        install_method: str = "auto",
         commit: str = "atomic",
         expected: ExpectedWeights | None = None,
         prefix_cache: PrefixCachePolicy = "reset",
@@ -70,8 +74,8 @@ class VLLMMultiprocessAdapter(VLLMTransportAdapter):
         lock_timeout: float | None = 600.0,
         guard_generation: bool = True,
     ) -> None:
-        if install_method not in ("reload", "direct"):
-            raise ValueError(f"install_method must be 'reload' or 'direct', not {install_method!r}")
+        if install_method not in ("auto", "reload", "direct"):
+            raise ValueError(f"install_method must be 'auto', 'reload' or 'direct', not {install_method!r}")
         engine = as_engine(llm)
         if engine.worker_extension != compat.WORKER_EXTENSION:
             raise EngineNotSupportedError(
@@ -86,11 +90,12 @@ class VLLMMultiprocessAdapter(VLLMTransportAdapter):
             )
         if commit not in ("atomic", "streaming"):
             raise ValueError(f"commit must be 'atomic' or 'streaming', not {commit!r}")
-        if commit == "streaming" and install_method == "reload" and getattr(transport, "keep_segments", False):
+        if commit == "streaming" and install_method != "direct" and getattr(transport, "keep_segments", False):
             raise ValueError(
                 "a shm transport with keep_segments=True keeps one segment per bucket when vLLM's layerwise reload "
                 "may still read a bucket after its stage, which defeats commit='streaming' (memory bounded by the "
-                "bucket): use install_method='direct' (one segment for every bucket), or a plain shm transport"
+                "bucket), and install_method='auto' may fall back to that reload: use install_method='direct' (one "
+                "segment for every bucket), or a plain shm transport"
             )
         self.install_method = install_method
         self.commit = commit
@@ -113,7 +118,7 @@ class VLLMMultiprocessAdapter(VLLMTransportAdapter):
 
     @property
     def label(self) -> str:
-        method = "" if self.install_method == "reload" else f"-{self.install_method}"
+        method = "" if self.install_method in ("auto", "reload") else f"-{self.install_method}"
         commit = "" if self.commit == "atomic" else f"-{self.commit}"
         return f"{super().label}{method}{commit}"
 
@@ -138,4 +143,7 @@ class VLLMMultiprocessAdapter(VLLMTransportAdapter):
             with contextlib.suppress(Exception):
                 self.engine.call("hotweights_abort", sent.update_id, timeout=30.0)
             raise
+        methods = sorted({str(s.get("install_method", self.install_method)) for s in summaries})
+        reasons = sorted({str(s.get("install_reason", "")) for s in summaries})
+        self._ran(methods[0] if len(methods) == 1 else "mixed", " | ".join(reasons))  # workers agree on one model
         return {"digests_verified": min(int(s.get("digests_verified", 0)) for s in summaries)}

@@ -39,6 +39,11 @@ class InstallReport(BaseModel):
     """The version recorded in the engine itself, where vLLM keeps one."""
     digests_verified: int = 0
     """Tensors whose digest was checked against the manifest (after transit, for multiprocess engines)."""
+    install_method: str | None = None
+    """How the engine's workers wrote the weights, where the adapter chooses: ``"direct"`` (the direct setter) or
+    ``"reload"`` (vLLM's layerwise reload); None where the adapter has one way only and does not say."""
+    install_reason: str | None = None
+    """Why ``install_method`` ran (e.g. ``install_method='auto'``'s verdict on the model)."""
     phases: dict[str, float] = Field(default_factory=dict)
 
     @property
@@ -83,6 +88,8 @@ class InstallReport(BaseModel):
             "prefix_cache_reset": self.prefix_cache_reset,
             "engine_weight_version": self.engine_weight_version,
             "digests_verified": self.digests_verified,
+            **({"install_method": self.install_method} if self.install_method is not None else {}),
+            **({"install_reason": self.install_reason} if self.install_reason is not None else {}),
             "seconds": seconds,
             "gbps": self.gbps if seconds > 0 else None,
         }
@@ -93,8 +100,13 @@ class InstallReport(BaseModel):
         phases = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in self.phases.items())
         return (
             f"installed v{self.weight_version} ({self.num_tensors} tensors, {self.num_bytes / 1e6:.1f} MB) via "
-            f"{self.adapter} in {self.seconds:.3f} s ({self.gbps:.2f} GB/s): {phases}"
+            f"{self.adapter}{self._path_text()} in {self.seconds:.3f} s ({self.gbps:.2f} GB/s): {phases}"
         )
+
+    def _path_text(self) -> str:
+        if self.install_method is None:
+            return ""
+        return f" [{self.install_method}" + (f": {self.install_reason}]" if self.install_reason else "]")
 
 
 class PhaseTimer:

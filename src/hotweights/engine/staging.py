@@ -38,6 +38,10 @@ class InstallSession:
     """Set for a streaming session: checked buckets go to it, nothing is kept in ``staged``."""
     direct_plan: DirectPlan | None = None
     """The direct setter's plan, when the session was opened for a direct install (made once, at ``begin``)."""
+    method: str | None = None
+    """How ``finish`` installs (``"direct"`` or ``"reload"``), decided at ``begin``; None: as ``finish`` is told."""
+    method_reason: str = ""
+    """Why ``method`` was chosen, for the report."""
     staged: dict[str, torch.Tensor] = field(default_factory=dict)
     received: set[str] = field(default_factory=set)
     keepalive: list[Any] = field(default_factory=list)

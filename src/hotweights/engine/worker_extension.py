@@ -42,24 +42,40 @@ class HotWeightsWorkerExtension:
         """Open a session for an update; a session left open by a crashed trainer is dropped first.
 
         ``commit="atomic"`` stages every bucket aside until ``finish``; ``"streaming"`` installs each bucket as it
-        arrives with ``method`` (``"reload"`` or ``"direct"``). A ``"direct"`` update is planned here either way,
-        so one the direct setter cannot place is refused before any byte moves.
+        arrives. ``method`` is decided here, before any byte moves (:func:`~hotweights.engine.direct.choose_method`):
+        ``"direct"`` plans the direct setter (an update it cannot place is refused), ``"auto"`` plans it and keeps it
+        only if the model passes the setter's safety rule and the plan places everything (else ``"reload"``).
         """
+        from hotweights.engine.direct import choose_method
+        from hotweights.engine.worker_ops import worker_model
+
+        if commit not in ("atomic", "streaming"):
+            raise ValueError(f"unknown commit mode {commit!r}; use 'atomic' or 'streaming'")
+        chosen: list[Any] = []
+
+        def choose(manifest: WeightUpdateManifest) -> tuple[DirectPlan | None, str, str]:
+            chosen[:] = choose_method(lambda: worker_model(self), manifest.tensors, method)
+            return chosen[0], chosen[1], chosen[2]
+
         if commit == "atomic":
             update_id = self._hotweights.begin(manifest_json)
-            if method == "direct":  # refuse an update the direct setter cannot place now, before any byte moves
-                session = self._hotweights.current(update_id)
-                try:
-                    session.direct_plan = self._direct_plan(session.manifest)
-                except BaseException:
-                    self._hotweights.abort(update_id)
-                    raise
+            session = self._hotweights.current(update_id)
+            try:
+                session.direct_plan, session.method, session.method_reason = choose(session.manifest)
+            except BaseException:
+                self._hotweights.abort(update_id)
+                raise
             return update_id
-        if commit != "streaming":
-            raise ValueError(f"unknown commit mode {commit!r}; use 'atomic' or 'streaming'")
         from hotweights.engine.streaming import open_stream
 
-        return self._hotweights.begin(manifest_json, lambda manifest: open_stream(self, manifest, method))
+        if method != "auto":  # a forced method: the stream plans (or refuses) itself
+            chosen[:] = [None, method, f"install_method={method!r} was asked for"]
+        update_id = self._hotweights.begin(
+            manifest_json, lambda m: open_stream(self, m, chosen[1] if chosen else choose(m)[1])
+        )
+        session = self._hotweights.current(update_id)
+        session.method, session.method_reason = chosen[1], chosen[2]
+        return update_id
 
     def hotweights_stage(self, update_id: str, bucket_json: str, descriptor: dict[str, Any]) -> int:
         """Receive one bucket through its transport and keep its tensors aside; returns the bytes staged."""
@@ -67,33 +83,42 @@ class HotWeightsWorkerExtension:
 
     def hotweights_finish(
         self, update_id: str, method: str = "reload", ignored: dict[str, str] | None = None
-    ) -> dict[str, int]:
+    ) -> dict[str, int | str]:
         """Install every staged tensor, if and only if all of them arrived: in one layerwise reload
-        (``method="reload"``) or by the direct setter (``"direct"``: planned first, then copied in place)."""
-        if method not in ("reload", "direct"):
-            raise ValueError(f"unknown install method {method!r}; use 'reload' or 'direct'")
+        (``method="reload"``) or by the direct setter (``"direct"``: planned first, then copied in place); ``"auto"``:
+        as decided at ``begin``. The summary names the method that ran and why (``install_method``,
+        ``install_reason``)."""
+        if method not in ("reload", "direct", "auto"):
+            raise ValueError(f"unknown install method {method!r}; use 'auto', 'direct' or 'reload'")
         staging = self._hotweights
-        if staging.current(update_id).stream is not None:
+        session = staging.current(update_id)
+        ran = session.method if method == "auto" or session.stream is not None else method
+        ran = ran or "reload"
+        reason = session.method_reason if ran == session.method else f"install_method={ran!r} was asked for"
+        if session.stream is not None:
             refreshed, session = staging.finish_stream(update_id)
         else:
             items, session = staging.take(update_id)
-            if method == "direct":
+            if ran == "direct":
                 from hotweights.engine.direct import apply_direct
                 from hotweights.engine.worker_ops import after_weights_changed, worker_model
 
-                plan = session.direct_plan  # made at begin when the trainer said "direct" there
+                plan = session.direct_plan  # made at begin when the trainer said "direct" or "auto" there
                 if plan is None:
                     plan = self._direct_plan(session.manifest)
                 refreshed = apply_direct(worker_model(self), plan, dict(items))
                 after_weights_changed(self)
             else:
                 refreshed = reload_checkpoint_tensors(self, items)
-        return {
+        summary: dict[str, int | str] = {
             "tensors": len(session.manifest.tensors),
             "bytes": session.nbytes,
             "digests_verified": session.digests_verified,
             "tied_layers_refreshed": refreshed,
+            "install_method": ran,
+            "install_reason": reason,
         }
+        return summary
 
     def _direct_plan(self, manifest: WeightUpdateManifest) -> DirectPlan:
         """The direct setter's plan for ``manifest`` on this worker's model (raises if it cannot place it)."""
