@@ -13,6 +13,7 @@ from hotweights.adapters.multiprocess import VLLMMultiprocessAdapter
 from hotweights.adapters.native import VLLMWeightTransferAdapter
 from hotweights.adapters.weights_path import VLLMWeightsPathAdapter
 from hotweights.core.errors import (
+    DeltaBaseMismatchError,
     EngineNotSupportedError,
     EngineSleepingError,
     HotWeightsError,
@@ -37,6 +38,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "WORKER_EXTENSION",
+    "DeltaBaseMismatchError",
     "EngineHandle",
     "EngineNotSupportedError",
     "EngineSleepingError",

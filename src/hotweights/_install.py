@@ -75,6 +75,7 @@ def install(
     digests: bool = False,
     pause: PauseMode = "wait",
     adapter: WeightInstallAdapter | None = None,
+    delta: bool = False,
 ) -> InstallReport:
     """Install ``tensors`` (checkpoint format, e.g. ``model.state_dict()``) into a running engine.
 
@@ -90,10 +91,17 @@ def install(
             :data:`~hotweights.handles.PauseMode`). A ``vllm.LLM`` always waits for running generation calls.
         adapter: install through this adapter (built on ``engine``, e.g. ``VLLMMultiprocessAdapter(engine,
             commit="streaming")``) instead of the one :func:`adapter_for` picks.
+        delta: send only what changed since the version this adapter last installed into this engine: unchanged
+            tensors are skipped, tensors with few changed elements go as indices + values (see ``docs/delta.md``).
+            The first ``delta=True`` install sends everything (``report.delta == "full"``) and from then on the
+            adapter keeps a host copy of the installed weights (the model's size in host memory; the workers of a
+            multiprocess engine keep one each). ``report.bytes_sent`` says what crossed.
 
     Raises:
         WeightManifestValidationError: the tensors do not match what the engine serves; nothing was written.
         StaleWeightVersionError: ``weight_version`` is not newer than the active one (pass ``force=True``).
+        DeltaBaseMismatchError: ``delta=True``, but the engine does not serve the version the delta was computed
+            against (someone else installed); nothing was written: install with ``delta=False``.
         EngineNotSupportedError: ``engine`` is not an engine hotweights reaches (or is an ``AsyncLLM``).
         EngineSleepingError: the engine is asleep; wake it first. Nothing was written.
         InstallError: the engine failed while installing.
@@ -109,7 +117,7 @@ def install(
             "`report = await hotweights.install_async(engine, tensors, weight_version=step)`"
         )
     args = (engine, tensors, weight_version, update_id, layout, metadata)
-    return _install(*args, force=force, digests=digests, pause=pause, adapter=adapter)
+    return _install(*args, force=force, digests=digests, pause=pause, adapter=adapter, delta=delta)
 
 
 async def install_async(
@@ -124,6 +132,7 @@ async def install_async(
     digests: bool = False,
     pause: PauseMode = "wait",
     adapter: WeightInstallAdapter | None = None,
+    delta: bool = False,
 ) -> InstallReport:
     """:func:`install` for async code: same arguments, report and errors; works on any engine, and is the way to
     install into an ``AsyncLLM`` (await it on the loop the engine runs on).
@@ -145,7 +154,9 @@ async def install_async(
         assert isinstance(handle, AsyncLLMHandle)
         handle.bind(asyncio.get_running_loop(), pause)
     args = (engine, tensors, weight_version, update_id, layout, metadata)
-    return await asyncio.to_thread(_install, *args, force=force, digests=digests, pause=pause, adapter=adapter)
+    return await asyncio.to_thread(
+        _install, *args, force=force, digests=digests, pause=pause, adapter=adapter, delta=delta
+    )
 
 
 def _install(
@@ -160,6 +171,7 @@ def _install(
     digests: bool,
     pause: PauseMode,
     adapter: WeightInstallAdapter | None,
+    delta: bool = False,
 ) -> InstallReport:
     handle: EngineHandle = as_engine(engine)
     if adapter is not None and getattr(adapter, "engine", handle) is not handle:
@@ -169,4 +181,4 @@ def _install(
     manifest = WeightUpdateManifest.from_state_dict(
         items, weight_version=weight_version, update_id=update_id, layout=layout, metadata=metadata, digests=digests
     )
-    return (adapter or adapter_for(engine)).install(manifest, items, force=force)
+    return (adapter or adapter_for(engine)).install(manifest, items, force=force, delta=delta)

@@ -9,6 +9,7 @@ import pytest
 
 import hotweights
 from hotweights import (
+    DeltaBaseMismatchError,
     EngineNotSupportedError,
     EngineSleepingError,
     HotWeightsError,
@@ -24,6 +25,7 @@ from hotweights.core import errors as errors_module
 from hotweights.core.errors import MismatchKind
 
 PUBLIC_ERRORS = [
+    DeltaBaseMismatchError,
     EngineNotSupportedError,
     EngineSleepingError,
     HotWeightsTimeoutError,
@@ -135,7 +137,9 @@ def test_exactly_fifty_is_not_truncated() -> None:
 
 
 def test_kinds_cover_the_documented_set() -> None:
-    assert set(ALL_KINDS) == {"missing", "unexpected", "shape", "dtype", "nbytes", "not_tensor", "manifest", "digest"}
+    assert set(ALL_KINDS) == {
+        "missing", "unexpected", "shape", "dtype", "nbytes", "not_tensor", "manifest", "digest", "delta"
+    }  # fmt: skip
 
 
 @pytest.mark.parametrize("kind", ALL_KINDS)

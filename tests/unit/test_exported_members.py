@@ -15,6 +15,7 @@ import pytest
 import hotweights
 
 EXPECTED_ALL = [
+    "DeltaBaseMismatchError",
     "EngineHandle",
     "EngineNotSupportedError",
     "EngineSleepingError",

@@ -17,7 +17,10 @@ from typing import ClassVar, Literal
 
 import torch
 
+from hotweights.core.delta import DeltaBase, EncodedDelta, StagedDelta
 from hotweights.core.errors import (
+    DeltaBaseMismatchError,
+    EngineNotSupportedError,
     HotWeightsError,
     HotWeightsTimeoutError,
     InstallError,
@@ -83,6 +86,12 @@ class WeightInstallAdapter(ABC):
         self.gate = gate
         """Held alone from the first write to the prefix-cache reset, so no generation call sees a mix."""
         self._writing = ExitStack()
+        self._delta_base: DeltaBase | None = None
+        """Host copy of the weights this adapter last installed, kept once ``install(..., delta=True)`` was asked
+        for (see :mod:`hotweights.core.delta`); None: the next delta install sends everything."""
+        self._delta_tracking = False
+        """Keep the host copy current on every install (set by the first ``delta=True`` install)."""
+        self._delta_engine_version: str | None = None
         self._path: tuple[str, str] | None = None  # set by _ran() during an install, read into its report
 
     @property
@@ -91,13 +100,19 @@ class WeightInstallAdapter(ABC):
         return self.name
 
     # ------------------------------------------------------------------ public verb
-    def install(self, manifest: WeightUpdateManifest, tensors: TensorsLike, *, force: bool = False) -> InstallReport:
+    def install(
+        self, manifest: WeightUpdateManifest, tensors: TensorsLike, *, force: bool = False, delta: bool = False
+    ) -> InstallReport:
         """Validate ``tensors`` against ``manifest`` and the engine, install them, and report.
 
         Args:
             manifest: what is being installed (see :meth:`WeightUpdateManifest.from_state_dict`).
             tensors: mapping or ``(name, tensor)`` pairs in checkpoint format, on any device.
             force: install even if ``manifest.weight_version`` is not newer than the active version.
+            delta: send only what changed since the version this adapter last installed (see
+                :mod:`hotweights.core.delta`); the first such install sends everything and keeps a host copy to
+                diff against (``report.delta == "full"``). Raises :class:`DeltaBaseMismatchError` when the engine
+                serves another version than that copy.
 
         Raises:
             WeightManifestValidationError: names, shapes or dtypes do not match (every mismatch listed);
@@ -114,17 +129,40 @@ class WeightInstallAdapter(ABC):
                 "raise lock_timeout"
             )
         try:
-            return log_report(self._install_locked(manifest, _as_items(tensors), force))
+            return log_report(self._install_locked(manifest, _as_items(tensors), force, delta))
         finally:
             self._lock.release()
 
-    def _install_locked(self, manifest: WeightUpdateManifest, items: Items, force: bool) -> InstallReport:
+    def _install_locked(
+        self, manifest: WeightUpdateManifest, items: Items, force: bool, delta: bool = False
+    ) -> InstallReport:
         timer = PhaseTimer()
         with timer("validate"):
             send, skipped = self._validate(manifest, items, force)
+            refusal = self._delta_refusal() if delta else None
+            if refusal is not None:
+                raise EngineNotSupportedError(f"{refusal}; nothing was written. Install with delta=False.")
+        encoded = self._encode_delta(manifest, send, timer) if delta and self._delta_base is not None else None
+        self._delta_tracking = self._delta_tracking or delta  # from the first delta install on, keep a copy
         self._may_have_written = False
         with ExitStack() as self._writing:  # holds the gate from the first write until the cache is reset
-            return self._commit(manifest, send, skipped, timer)
+            return self._commit(manifest, send, skipped, timer, encoded, delta)
+
+    def _encode_delta(
+        self, manifest: WeightUpdateManifest, send: Items, timer: PhaseTimer
+    ) -> tuple[EncodedDelta, StagedDelta]:
+        """The delta from the host copy to ``send``, checked by applying it aside (nothing written yet)."""
+        base = self._delta_base
+        assert base is not None
+        now = self._engine_version_now()
+        if now is not None and self._delta_engine_version is not None and now != self._delta_engine_version:
+            self._delta_base = None  # someone else installed: the next install sends everything
+            raise DeltaBaseMismatchError(manifest.weight_version, base.version, f"version {now!r}")
+        with timer("delta_encode"):
+            encoded = base.encode(
+                send, weight_version=manifest.weight_version, update_id=manifest.update_id, digests=manifest.has_digests
+            )
+            return encoded, base.apply(encoded.manifest, encoded.wire)
 
     def _begin_writing(self, timer: PhaseTimer) -> None:
         """Called by an adapter right before its first step that can change live weights: waits for running
@@ -135,11 +173,22 @@ class WeightInstallAdapter(ABC):
         self._may_have_written = True
 
     def _commit(
-        self, manifest: WeightUpdateManifest, send: Items, skipped: list[tuple[str, str]], timer: PhaseTimer
+        self,
+        manifest: WeightUpdateManifest,
+        send: Items,
+        skipped: list[tuple[str, str]],
+        timer: PhaseTimer,
+        delta: tuple[EncodedDelta, StagedDelta] | None = None,
+        delta_asked: bool = False,
     ) -> InstallReport:
         try:
-            summary = self._install(manifest, send, timer) or {}
+            if delta is not None:
+                summary = self._install_delta(manifest, *delta, timer) or {}
+            else:
+                summary = self._install(manifest, send, timer) or {}
         except BaseException as exc:
+            if self._may_have_written:  # the engine may hold anything: the next delta install sends everything
+                self._delta_base = None
             if not isinstance(exc, Exception):  # KeyboardInterrupt & co.: recover if needed, keep the interrupt
                 if self._may_have_written:
                     with contextlib.suppress(Exception):
@@ -165,6 +214,10 @@ class WeightInstallAdapter(ABC):
             ) from exc
         path, self._path = self._path, None
         previous = self.active_weight_version
+        if delta is not None and self._delta_base is not None:
+            self._delta_base.commit(delta[1])
+        elif self._delta_tracking:
+            self._delta_base = DeltaBase.capture(send, manifest.weight_version)
         # The new weights are in: from here on the engine serves them, whatever happens next.
         self.reopen_serving()  # a complete install heals a failed one
         self.active_weight_version = manifest.weight_version
@@ -176,6 +229,7 @@ class WeightInstallAdapter(ABC):
                     reset = self._reset_prefix_cache()
             with timer("record_version"):
                 engine_version = self._record_engine_version(str(manifest.weight_version))
+            self._delta_engine_version = engine_version
         except Exception as exc:
             raise InstallError(
                 f"v{manifest.weight_version} was installed, but the follow-up step failed: {type(exc).__name__}: "
@@ -196,6 +250,9 @@ class WeightInstallAdapter(ABC):
             install_method=path[0] if path else None,
             install_reason=path[1] if path else None,
             phases=timer.phases,
+            bytes_sent=delta[0].bytes_sent if delta is not None else sum(t.nbytes for _, t in send),
+            delta="applied" if delta is not None else "full" if delta_asked else "off",
+            delta_changed=len(delta[0].manifest.entries) if delta is not None else 0,
         )
 
     def _refuse_serving(self, manifest: WeightUpdateManifest) -> bool:
@@ -247,6 +304,28 @@ class WeightInstallAdapter(ABC):
         """Called by an adapter's :meth:`_install`: which install path ran (e.g. ``"direct"``) and why, for the
         report (``install_method``, ``install_reason``)."""
         self._path = (method, reason)
+
+    def _delta_refusal(self) -> str | None:
+        """Why this adapter cannot install deltas now (None: it can)."""
+        return f"the {self.label} adapter does not install deltas"
+
+    def _install_delta(
+        self, manifest: WeightUpdateManifest, delta: EncodedDelta, staged: StagedDelta, timer: PhaseTimer
+    ) -> dict[str, int] | None:
+        """Install a checked delta: ``delta`` is what to send, ``staged`` the same delta applied to this adapter's
+        host copy (its ``items``: what to reinstall). Call :meth:`_begin_writing` as :meth:`_install` does."""
+        raise NotImplementedError
+
+    def _engine_version_now(self) -> str | None:
+        """The version the engine reports now (None: unknown); a delta is refused when it is not the one recorded
+        by this adapter's last install."""
+        return None
+
+    def forget_delta_base(self) -> None:
+        """Drop the host copy kept for delta installs (frees the model's size in host memory); the next
+        ``delta=True`` install sends everything again."""
+        self._delta_base = None
+        self._delta_tracking = False
 
     def _recover(self) -> str:
         """After a failure that may have touched live weights: make stale or poisoned KV state unservable.

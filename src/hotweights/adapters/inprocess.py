@@ -6,6 +6,7 @@ from typing import Any
 
 from hotweights.adapters._vllm import VLLMEngineAdapter
 from hotweights.adapters.base import Items, PrefixCachePolicy
+from hotweights.core.delta import EncodedDelta, StagedDelta
 from hotweights.core.errors import EngineNotSupportedError
 from hotweights.core.manifest import ExpectedWeights, WeightUpdateManifest
 from hotweights.core.report import PhaseTimer
@@ -71,3 +72,20 @@ class VLLMInProcessWeightReloadAdapter(VLLMEngineAdapter):
         with timer("install"):
             compat.reload_weights(self.llm, items, timeout=self.rpc_timeout)
         return self._digests(manifest)
+
+    # Delta installs: this adapter's host copy is the engine side's too. The delta was applied to it aside
+    # (``staged``); the blocks it touched are reinstalled whole in one layerwise reload, then the copy moves on.
+    def _delta_refusal(self) -> str | None:
+        return None
+
+    def _engine_version_now(self) -> str | None:
+        return self.engine.get_weight_version()
+
+    def _install_delta(
+        self, manifest: WeightUpdateManifest, delta: EncodedDelta, staged: StagedDelta, timer: PhaseTimer
+    ) -> dict[str, int]:
+        if staged.items:
+            self._begin_writing(timer)
+            with timer("install"):
+                compat.reload_weights(self.llm, staged.items, timeout=self.rpc_timeout)
+        return {"digests_verified": sum(e.digest is not None for e in delta.manifest.entries.values())}

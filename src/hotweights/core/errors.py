@@ -6,6 +6,7 @@ Hierarchy::
     ├── WeightManifestValidationError   tensors or manifest do not match (names every mismatch)
     ├── UnsupportedLayoutError          a layout this version or adapter cannot install
     ├── StaleWeightVersionError         weight_version not newer than the active one
+    ├── DeltaBaseMismatchError          a delta computed against another version than the engine serves
     ├── EngineNotSupportedError         no adapter fits this engine (or its mode)
     │   └── EngineSleepingError         the engine is asleep: wake it first
     ├── InstallError                    the engine failed while installing
@@ -23,6 +24,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 __all__ = [
+    "DeltaBaseMismatchError",
     "EngineNotSupportedError",
     "EngineSleepingError",
     "HotWeightsError",
@@ -35,7 +37,7 @@ __all__ = [
     "WeightManifestValidationError",
 ]
 
-MismatchKind = Literal["missing", "unexpected", "shape", "dtype", "nbytes", "not_tensor", "manifest", "digest"]
+MismatchKind = Literal["missing", "unexpected", "shape", "dtype", "nbytes", "not_tensor", "manifest", "digest", "delta"]
 
 
 class HotWeightsError(Exception):
@@ -70,6 +72,8 @@ _HINTS: dict[str, str] = {
     "not_tensor": "pass torch.Tensor values",
     "manifest": "fix the manifest fields named above",
     "digest": "the bytes differ from the ones the manifest was built from: rebuild the manifest from these tensors",
+    "delta": "encode deltas with DeltaBase.encode (sorted unique in-range indices, one value per index), or send a "
+    "full update (delta=False)",
 }
 
 
@@ -103,6 +107,20 @@ class StaleWeightVersionError(HotWeightsError):
         super().__init__(
             f"weight_version {requested} is not newer than the active version {active}; nothing was written. "
             "Pass a larger weight_version (e.g. the optimizer step), or force=True to install it anyway."
+        )
+
+
+class DeltaBaseMismatchError(HotWeightsError):
+    """A delta update was computed against another version than the one the engine serves (or the engine keeps
+    no copy of it); nothing was written. Send a full update (``delta=False``)."""
+
+    def __init__(self, requested: int, base: int, serving: str) -> None:
+        self.requested = requested
+        self.base = base
+        self.serving = serving
+        super().__init__(
+            f"delta update to v{requested} was computed against v{base}, but the engine serves {serving}; nothing "
+            "was written. Send a full update (install(..., delta=False)); later delta=True installs diff against it."
         )
 
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 __all__ = ["InstallReport", "PhaseTimer"]
 
@@ -45,6 +46,22 @@ class InstallReport(BaseModel):
     install_reason: str | None = None
     """Why ``install_method`` ran (e.g. ``install_method='auto'``'s verdict on the model)."""
     phases: dict[str, float] = Field(default_factory=dict)
+    bytes_sent: int = -1
+    """Bytes that crossed to the engine: ``num_bytes`` for a full install, the delta's indices and values for a
+    delta install (filled from ``num_bytes`` when not given)."""
+    delta: Literal["off", "full", "applied"] = "off"
+    """``install(..., delta=True)`` only: ``"applied"`` (only what changed was sent) or ``"full"`` (everything was
+    sent: the first install into this engine, or the first after a failed one, has no base to diff against).
+    ``"off"``: a plain full install."""
+    delta_changed: int = 0
+    """Tensors that changed since the delta's base (``delta="applied"``); the others were not sent."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _bytes_sent_default(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("bytes_sent", -1) == -1 and "num_bytes" in data:
+            return {**data, "bytes_sent": data["num_bytes"]}
+        return data
 
     @property
     def seconds(self) -> float:
@@ -93,11 +110,20 @@ class InstallReport(BaseModel):
             "seconds": seconds,
             "gbps": self.gbps if seconds > 0 else None,
         }
+        if self.delta != "off":  # delta installs add what was sent (a full install sends num_bytes)
+            flat.update({"bytes_sent": self.bytes_sent, "delta": self.delta, "delta_changed": self.delta_changed})
         flat.update({f"phase/{name}_s": s for name, s in self.phases.items()})
         return {prefix + key: value for key, value in flat.items()}
 
     def __str__(self) -> str:
         phases = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in self.phases.items())
+        if self.delta == "applied":
+            phases += (
+                f"; delta: {self.delta_changed} tensors changed, {self.bytes_sent / 1e6:.2f} MB sent "
+                f"({self.bytes_sent / max(self.num_bytes, 1):.1%} of a full install)"
+            )
+        elif self.delta == "full":
+            phases += "; delta: sent in full (no base to diff against yet)"
         return (
             f"installed v{self.weight_version} ({self.num_tensors} tensors, {self.num_bytes / 1e6:.1f} MB) via "
             f"{self.adapter}{self._path_text()} in {self.seconds:.3f} s ({self.gbps:.2f} GB/s): {phases}"

@@ -1,0 +1,104 @@
+"""Delta installs (``install(..., delta=True)``) into a real tiny in-process engine.
+
+A' is A with noise on a random 1 % of the positions of every tensor (what one RL optimizer step looks like in bf16):
+greedy outputs after a delta A -> A' must equal HF transformers on A' (fp32), with under 10 % of a full install's
+bytes sent.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import pytest
+import torch
+
+import hotweights
+from hotweights import (
+    DeltaBaseMismatchError,
+    VLLMInProcessWeightReloadAdapter,
+    WeightUpdateManifest,
+)
+from hotweights.testing import greedy_hf
+
+from .conftest import TinyCheckpoint, Variant, greedy_vllm, start_engine, stop_engine
+
+pytestmark = pytest.mark.engine
+
+VARIANT = Variant("qwen2", torch.float32, tie=False)
+
+
+def nudged(sd: Mapping[str, torch.Tensor], seed: int, fraction: float = 0.01, scale: float = 0.3) -> dict[str, Any]:
+    """``sd`` with Gaussian noise added at a random ``fraction`` of each tensor's positions."""
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, t in sd.items():
+        mask = torch.rand(t.shape, generator=g) < fraction
+        out[name] = t + mask * torch.randn(t.shape, generator=g) * scale
+    return out
+
+
+class Trainer:
+    """Checkpoint A, a chain of nudged versions A1, A2, ... and HF's greedy outputs on each."""
+
+    def __init__(self, a: TinyCheckpoint, b: TinyCheckpoint) -> None:
+        self.a, self.b = a, b
+        self._hf = copy.deepcopy(a.model)
+        self.steps: list[dict[str, torch.Tensor]] = [a.state_dict()]
+
+    def step(self) -> dict[str, torch.Tensor]:
+        self.steps.append(nudged(self.steps[-1], seed=len(self.steps)))
+        return self.steps[-1]
+
+    def hf(self, sd: Mapping[str, torch.Tensor]) -> list[list[int]]:
+        self._hf.load_state_dict(sd)
+        return greedy_hf(self._hf)
+
+
+@pytest.fixture(scope="module")
+def trainer(checkpoint: Callable[[Variant, int], TinyCheckpoint]) -> Trainer:
+    return Trainer(checkpoint(VARIANT, 1), checkpoint(VARIANT, 2))  # B measured before our engines start
+
+
+# ============================================================================================ in-process
+@pytest.fixture(scope="module")
+def inprocess(trainer: Trainer) -> Iterator[Any]:
+    llm = start_engine(trainer.a.path, multiprocess=False)
+    yield llm
+    stop_engine(llm)
+
+
+def test_inprocess_first_delta_is_full_then_a_to_a_prime(inprocess: Any, trainer: Trainer) -> None:
+    first = hotweights.install(inprocess, trainer.a.state_dict(), weight_version=1, delta=True)
+    assert (first.delta, first.bytes_sent) == ("full", first.num_bytes)
+    assert first.adapter == "inprocess-reload"
+    for v in (2, 3):
+        previous, sd = trainer.steps[-1], trainer.step()
+        report = hotweights.install(inprocess, sd, weight_version=v, delta=True)
+        assert report.delta == "applied"
+        assert report.delta_changed == sum(not torch.equal(previous[n], sd[n]) for n in sd) > len(sd) // 2
+        assert report.bytes_sent < 0.1 * report.num_bytes, str(report)
+        expected = trainer.hf(sd)
+        assert expected != trainer.a.fresh, "the nudge must change outputs, or this proves nothing"
+        assert greedy_vllm(inprocess) == expected
+        assert inprocess.llm_engine.get_weight_version() == str(v)
+
+
+def test_inprocess_delta_with_the_wrong_base_refused(inprocess: Any, trainer: Trainer) -> None:
+    b = trainer.b
+    other = VLLMInProcessWeightReloadAdapter(inprocess)  # another trainer installs B meanwhile
+    other.install(WeightUpdateManifest.from_state_dict(b.state_dict(), weight_version=50), b.state_dict())
+    assert greedy_vllm(inprocess) == b.fresh
+    with pytest.raises(DeltaBaseMismatchError, match="delta=False"):
+        hotweights.install(inprocess, trainer.step(), weight_version=51, delta=True)
+    assert greedy_vllm(inprocess) == b.fresh  # nothing written
+    assert inprocess.llm_engine.get_weight_version() == "50"
+    # a full install, then deltas again
+    sd = trainer.steps[-1]
+    report = hotweights.install(inprocess, sd, weight_version=52, delta=False)
+    assert report.delta == "off" and report.bytes_sent == report.num_bytes
+    sd = trainer.step()
+    report = hotweights.install(inprocess, sd, weight_version=53, delta=True)
+    assert report.delta == "applied"
+    assert greedy_vllm(inprocess) == trainer.hf(sd)
