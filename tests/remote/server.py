@@ -52,10 +52,17 @@ class Server:
                 os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait(30)
 
+    def client(self, timeout: float = 60.0) -> httpx.Client:
+        """An HTTP client for this server (over its Unix socket for a ``unix://`` URL)."""
+        if self.url.startswith("unix://"):
+            uds = httpx.HTTPTransport(uds=self.url.removeprefix("unix://"))
+            return httpx.Client(base_url="http://localhost", transport=uds, trust_env=False, timeout=timeout)
+        return httpx.Client(base_url=self.url, trust_env=False, timeout=timeout)
+
     def completions(self, prompts: list[list[int]], max_tokens: int = 8) -> list[list[int]]:
         """Greedy token ids for each prompt, through ``/v1/completions``."""
         out = []
-        with httpx.Client(base_url=self.url, trust_env=False, timeout=60.0) as client:
+        with self.client() as client:
             for prompt in prompts:
                 body = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
                         "ignore_eos": True, "return_token_ids": True}  # fmt: skip
@@ -65,21 +72,22 @@ class Server:
         return out
 
 
-def start_server(model: Path, log: Path, setup: str = "extension") -> Server:
-    """Start a server on an ephemeral loopback port and wait until it serves ``/v1/models``."""
+def start_server(model: Path, log: Path, setup: str = "extension", uds: Path | None = None) -> Server:
+    """Start a server on an ephemeral loopback port (or the Unix socket ``uds``) and wait until it serves
+    ``/v1/models``."""
     port = free_port()
-    cmd = server_command(str(model), port=port, setup=setup, extra=CPU_FLAGS)
+    cmd = server_command(str(model), port=port, uds=str(uds) if uds else None, setup=setup, extra=CPU_FLAGS)
     env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
     env.pop("VLLM_ALLOW_INSECURE_SERIALIZATION", None)
     with log.open("wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    server = Server(proc, f"http://127.0.0.1:{port}", str(model), log)
+    server = Server(proc, f"unix://{uds}" if uds else f"http://127.0.0.1:{port}", str(model), log)
     deadline = time.monotonic() + START_TIMEOUT
     while time.monotonic() < deadline:
         if not server.alive():
             raise RuntimeError(f"vllm serve exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(f"{server.url}/v1/models", timeout=2.0, trust_env=False).is_success:
+        with contextlib.suppress(httpx.HTTPError), server.client(timeout=2.0) as client:
+            if client.get("/v1/models").is_success:
                 return server
         time.sleep(0.5)
     server.kill()

@@ -39,7 +39,7 @@ class FakeServer:
             ("POST", "/reset_prefix_cache"): lambda r: httpx.Response(200, json={"success": True}),
             ("POST", "/update_weight_version"): self._set_version,
             ("GET", "/weight_info"): lambda r: httpx.Response(200, json={"weight_version": self.version}),
-            ("GET", "/is_sleeping"): lambda r: httpx.Response(200, json={"is_sleeping": False}),
+            ("GET", "/is_sleeping"): lambda r: httpx.Response(200, json={"is_sleeping": self.paused}),
         }
         if server_info:
             self.routes["GET", "/server_info"] = lambda r: httpx.Response(200, json={"vllm_config": config})
@@ -210,6 +210,8 @@ def test_gate_fails_closed_by_staying_paused_until_reopened() -> None:
     with engine.gate.installing(timeout=5.0):
         engine.gate.refuse("partial update")
     assert server.paused  # nothing is served from a mix of old and new layers
+    assert not engine.is_sleeping()  # vLLM says a paused server sleeps; this one is paused by hotweights itself
+    assert connect(server).is_sleeping()  # another trainer cannot tell: EngineSleepingError asks to resume it
     engine.gate.reopen()
     assert not server.paused
     assert engine.gate.refusal is None

@@ -3,8 +3,6 @@
 
 from __future__ import annotations
 
-import json
-import os
 import signal
 import subprocess
 import sys
@@ -29,6 +27,12 @@ pytestmark = pytest.mark.engine
 
 TIMEOUT = 20.0
 LONG = 480  # tokens: a request still decoding when the install pauses the server
+
+
+def next_version(engine: RemoteHandle) -> int:
+    """One more than the server's version (vLLM starts at "default")."""
+    version = engine.get_weight_version()
+    return int(version) + 1 if version and version.isdigit() else 1
 
 
 @pytest.fixture(scope="module")
@@ -114,32 +118,56 @@ def test_collective_transport_on_loopback(engine: RemoteHandle, server: Server, 
             assert server.completions(PROMPTS) == models["hf"][name]
 
 
-@pytest.mark.parametrize("pause", ["wait"])
-def test_request_in_flight(pause: str, engine: RemoteHandle, server: Server, models: dict[str, Any]) -> None:
-    """``wait``: a request decoding when the install starts finishes first; ``abort``: it ends at once."""
-    started, result = threading.Event(), {"tokens": 0, "finish_reason": None}
+def _running(server: Server) -> float:
+    """Requests the server is decoding now (its Prometheus gauge)."""
+    text = httpx.get(f"{server.url}/metrics/", trust_env=False, timeout=10.0, follow_redirects=True).text
+    values = [line.split()[-1] for line in text.splitlines() if line.startswith("vllm:num_requests_running")]
+    return sum(float(v) for v in values)
 
-    def streaming_request() -> None:
+
+def _install_during_a_long_request(
+    engine: RemoteHandle, server: Server, tensors: dict[str, torch.Tensor], pause: str
+) -> tuple[dict[str, Any], Any]:
+    """Start a long completion and install as soon as the server runs it; the request's outcome and the report."""
+    result: dict[str, Any] = {}
+
+    def long_request() -> None:
         body = {"model": server.model, "prompt": PROMPTS[0], "max_tokens": LONG, "temperature": 0.0,
-                "ignore_eos": True, "return_token_ids": True, "stream": True}  # fmt: skip
-        with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60.0, trust_env=False) as r:
-            for line in r.iter_lines():
-                if not line.startswith("data: {"):
-                    continue
-                choice = json.loads(line[len("data: ") :])["choices"][0]
-                result["tokens"] += len(choice.get("token_ids") or [])
-                result["finish_reason"] = choice.get("finish_reason") or result["finish_reason"]
-                started.set()
+                "ignore_eos": True, "return_token_ids": True}  # fmt: skip
+        answer = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60.0, trust_env=False)
+        result.update(answer.json()["choices"][0])
 
-    thread = threading.Thread(target=streaming_request)
+    version = next_version(engine)
+    thread = threading.Thread(target=long_request)
     thread.start()
-    assert started.wait(60)
-    version = int(engine.get_weight_version() or 0) + 1
-    report = hotweights.install(engine, models["A"].state_dict(), weight_version=version, pause=pause)  # type: ignore[arg-type]
+    deadline = time.monotonic() + 10
+    while _running(server) < 1 and time.monotonic() < deadline:
+        time.sleep(0.005)
+    report = hotweights.install(engine, tensors, weight_version=version, pause=pause)  # type: ignore[arg-type]
     thread.join(60)
-    assert result["finish_reason"] == ("length" if pause == "wait" else "abort")
-    assert (result["tokens"] == LONG) == (pause == "wait")
     assert report.engine_weight_version == str(version)
+    return result, report
+
+
+@pytest.mark.parametrize("pause", ["wait", "abort"])
+def test_request_in_flight(pause: str, engine: RemoteHandle, server: Server, models: dict[str, Any]) -> None:
+    """``wait``: requests never end early, and the install waits for one that is decoding; ``abort``: it ends.
+
+    A 480-token request takes ~1 s here; on two busy cores it can be over before the install pauses the server.
+    Such a try proves nothing, so there are up to three."""
+    tries = []
+    for _ in range(3):
+        result, report = _install_during_a_long_request(engine, server, models["A"].state_dict(), pause)
+        tries.append((result["finish_reason"], len(result["token_ids"]), round(report.phases["wait_generation"], 3)))
+        if pause == "wait":
+            assert tries[-1][:2] == ("length", LONG), tries
+            if report.phases["wait_generation"] > 0.05:  # it waited for the request to finish
+                break
+        elif tries[-1][0] == "abort":
+            assert tries[-1][1] < LONG, tries
+            break
+    else:
+        pytest.fail(f"the request was never still running when the install paused the server: {tries}")
     assert server.completions(PROMPTS) == models["hf"]["A"]  # resumed, on the new weights
 
 
@@ -150,7 +178,7 @@ def test_a_trainer_killed_mid_transfer_leaves_the_old_weights_serving(
     next install (from another trainer) works."""
     weights = tmp_path / "B.safetensors"
     save_file({k: v.contiguous() for k, v in models["B"].state_dict().items()}, weights)
-    hotweights.install(engine, models["A"].state_dict(), weight_version=int(engine.get_weight_version() or 0) + 1)
+    hotweights.install(engine, models["A"].state_dict(), weight_version=next_version(engine))
     before = engine.get_weight_version()
     cmd = [sys.executable, str(Path(__file__).with_name("trainer.py")), server.url, str(weights), "999999"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
@@ -167,17 +195,41 @@ def test_a_trainer_killed_mid_transfer_leaves_the_old_weights_serving(
     assert engine.get_weight_version() == before
     assert httpx.get(f"{server.url}/is_paused", trust_env=False).json() == {"is_paused": False}
     assert server.completions(PROMPTS) == models["hf"]["A"]
-    report = hotweights.install(engine, models["B"].state_dict(), weight_version=int(before or 0) + 1)
+    report = hotweights.install(engine, models["B"].state_dict(), weight_version=next_version(engine))
     assert report.engine_weight_version == str(int(before or 0) + 1)
     assert server.completions(PROMPTS) == models["hf"]["B"]
+
+
+def test_a_failed_write_leaves_the_server_paused_until_reopened(
+    engine: RemoteHandle, server: Server, models: dict[str, Any]
+) -> None:
+    """An update that only the engine can refuse (here: a wrong ``expected``) fails while writing: the KV cache is
+    zeroed and the server stays paused (fails closed); another handle is refused until it is resumed."""
+    real = engine.expected_weights()
+    assert real is not None
+    wrong = hotweights.ExpectedWeights(
+        {**real.tensors, "model.norm.weight": hotweights.TensorSpec(shape=[3], dtype="float32")}
+    )
+    bad = dict(models["A"].state_dict())
+    bad["model.norm.weight"] = torch.zeros(3)
+    with hotweights.connect(server.url, timeout=TIMEOUT, expected=wrong) as misled:
+        with pytest.raises(hotweights.InstallError, match=r"Attempted to load weight.*KV-cache tensors zeroed"):
+            hotweights.install(misled, bad, weight_version=next_version(engine))
+        assert httpx.get(f"{server.url}/is_paused", trust_env=False).json() == {"is_paused": True}
+        with pytest.raises(hotweights.EngineSleepingError, match="resume"):
+            hotweights.install(engine, models["B"].state_dict(), weight_version=next_version(engine))
+        hotweights.adapter_for(misled).reopen_serving()
+    assert httpx.get(f"{server.url}/is_paused", trust_env=False).json() == {"is_paused": False}
+    # Not asserted here: serving again. vLLM's layerwise reload leaves a layer that failed to load half-built (on the
+    # meta device); the next step or install then fails or kills the engine (seen both ways), so this test runs last
+    # before the server is killed.
 
 
 def test_dead_server_raises_a_timeout_error_in_time(
     engine: RemoteHandle, server: Server, models: dict[str, Any]
 ) -> None:
     """Last: the server is SIGKILLed; installing and connecting fail fast with HotWeightsTimeoutError."""
-    os.killpg(server.proc.pid, signal.SIGKILL)
-    server.proc.wait(30)
+    server.kill(signal.SIGKILL)
     start = time.monotonic()
     with pytest.raises(hotweights.HotWeightsTimeoutError, match="cannot reach the server"):
         hotweights.install(engine, models["B"].state_dict(), weight_version=1000)

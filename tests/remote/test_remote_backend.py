@@ -1,5 +1,5 @@
-"""A real ``vllm serve`` process started with hotweights' weight-transfer backend (no worker extension):
-``hotweights.install`` drives vLLM's native start/update/finish flow over ``/collective_rpc``."""
+"""A real ``vllm serve`` process started with hotweights' weight-transfer backend (no worker extension), listening
+on a Unix socket: ``hotweights.install`` drives vLLM's native start/update/finish flow over ``/collective_rpc``."""
 
 from __future__ import annotations
 
@@ -26,7 +26,8 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def server(models: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    srv = start_server(models["path"], tmp_path_factory.mktemp("remote-log") / "server.log", setup="backend")
+    logs = tmp_path_factory.mktemp("remote-log")
+    srv = start_server(models["path"], logs / "server.log", setup="backend", uds=logs / "vllm.sock")
     try:
         yield srv
     finally:
@@ -42,6 +43,7 @@ def engine(server: Server) -> Iterator[RemoteHandle]:
 
 def test_backend_install_a_b_a_matches_hf(engine: RemoteHandle, server: Server, models: dict[str, Any]) -> None:
     assert (engine.worker_extension, engine.weight_transfer_backend) == ("", BACKEND)
+    assert engine.url.startswith("unix://") and engine.same_host and engine.default_transport == "shm"
     assert server.completions(PROMPTS) == models["hf"]["A"]
     for version, name in ((1, "B"), (2, "A")):
         report = hotweights.install(engine, models[name].state_dict(), weight_version=version)

@@ -280,6 +280,10 @@ class RemoteHandle(EngineHandle):
         return None if version is None else str(version)
 
     def is_sleeping(self) -> bool:
+        """vLLM's ``/is_sleeping``, which is also True while the scheduler is paused; except while this handle keeps
+        the server paused itself (failing closed after a failed install), which the next install lifts."""
+        if self._gate.refusal is not None:
+            return False
         try:
             answer = self._request("GET", "/is_sleeping", timeout=SHORT_TIMEOUT)
         except EngineNotSupportedError:  # a vLLM without the route cannot sleep through it either
