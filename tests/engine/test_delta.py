@@ -1,4 +1,4 @@
-"""Delta installs (``install(..., delta=True)``) into a real tiny in-process engine.
+"""Delta installs (``install(..., delta=True)``) into real tiny engines: in-process, then multiprocess.
 
 A' is A with noise on a random 1 % of the positions of every tensor (what one RL optimizer step looks like in bf16):
 greedy outputs after a delta A -> A' must equal HF transformers on A' (fp32), with under 10 % of a full install's
@@ -17,10 +17,15 @@ import torch
 import hotweights
 from hotweights import (
     DeltaBaseMismatchError,
+    InstallError,
     VLLMInProcessWeightReloadAdapter,
+    VLLMMultiprocessAdapter,
+    WeightTransport,
     WeightUpdateManifest,
 )
+from hotweights.core.buckets import Bucket
 from hotweights.testing import greedy_hf
+from hotweights.transports import EngineLink, Stage, make_transport
 
 from .conftest import TinyCheckpoint, Variant, greedy_vllm, start_engine, stop_engine
 
@@ -102,3 +107,86 @@ def test_inprocess_delta_with_the_wrong_base_refused(inprocess: Any, trainer: Tr
     report = hotweights.install(inprocess, sd, weight_version=53, delta=True)
     assert report.delta == "applied"
     assert greedy_vllm(inprocess) == trainer.hf(sd)
+
+
+# ============================================================================================ multiprocess
+@pytest.fixture(scope="module")
+def multiprocess(trainer: Trainer) -> Iterator[Any]:
+    llm = start_engine(trainer.a.path, multiprocess=True, worker_extension_cls=hotweights.WORKER_EXTENSION)
+    yield llm
+    stop_engine(llm)
+    import os
+
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+
+
+class DyingTransport(WeightTransport):
+    """The shm transport, dying after ``after`` buckets (a trainer killed mid-delta)."""
+
+    name = "shm"  # type: ignore[assignment]
+
+    def __init__(self, after: int) -> None:
+        self.inner = make_transport("shm")
+        self.after = after
+        self.sends = 0
+
+    def connect(self, engine: EngineLink) -> None:
+        self.inner.connect(engine)
+
+    def close(self) -> None:
+        self.inner.close()
+
+    def send(self, bucket: Bucket, tensors: Mapping[str, torch.Tensor], stage: Stage) -> None:
+        if self.sends >= self.after:
+            raise ConnectionError(f"sender died after {self.sends} buckets")
+        self.sends += 1
+        self.inner.send(bucket, tensors, stage)
+
+
+def test_multiprocess_a_to_a_prime_and_faults(multiprocess: Any, trainer: Trainer) -> None:
+    llm = multiprocess
+    adapter = VLLMMultiprocessAdapter(llm, transport="shm", bucket_bytes=8192)
+
+    def install(sd: Mapping[str, torch.Tensor], v: int, delta: bool = True, via: Any = adapter) -> Any:
+        return via.install(WeightUpdateManifest.from_state_dict(sd, weight_version=v), sd, delta=delta)
+
+    trainer.steps = [trainer.a.state_dict()]
+    assert install(trainer.a.state_dict(), 1).delta == "full"
+    sd = trainer.step()
+    report = install(sd, 2)
+    assert report.delta == "applied" and report.adapter == "multiprocess-shm"
+    assert report.bytes_sent < 0.1 * report.num_bytes, str(report)
+    assert greedy_vllm(llm) == trainer.hf(sd)
+    assert llm.llm_engine.get_weight_version() == "2"
+
+    # a sender killed mid-delta: the previous version keeps serving, and the next delta still applies
+    dying, kept = DyingTransport(after=2), adapter.transport
+    adapter.transport = dying
+    dying.connect(adapter)
+    try:
+        with pytest.raises(InstallError) as info:
+            install(trainer.step(), 3)
+    finally:
+        adapter.transport = kept
+    assert isinstance(info.value.__cause__, ConnectionError) and dying.sends == 2
+    assert greedy_vllm(llm) == trainer.hf(sd) and llm.llm_engine.get_weight_version() == "2"
+    sd = trainer.steps[-1]
+    report = install(sd, 3)
+    assert report.delta == "applied"
+    assert greedy_vllm(llm) == trainer.hf(sd)
+
+    # a delta against a base the workers do not hold: another trainer installed B meanwhile
+    b = trainer.b
+    other = VLLMMultiprocessAdapter(llm, transport="shm")
+    other.active_weight_version = 3
+    install(b.state_dict(), 10, delta=False, via=other)
+    with pytest.raises(DeltaBaseMismatchError, match="serves v10"):
+        install(trainer.step(), 11)
+    assert greedy_vllm(llm) == b.fresh and llm.llm_engine.get_weight_version() == "10"
+    # a full install from this trainer, then deltas again
+    adapter.active_weight_version = 10
+    assert install(trainer.steps[-1], 11, delta=False).delta == "off"
+    sd = trainer.step()
+    report = install(sd, 12)
+    assert report.delta == "applied" and report.bytes_sent < 0.1 * report.num_bytes
+    assert greedy_vllm(llm) == trainer.hf(sd)

@@ -3,12 +3,19 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Any
+from typing import Any, cast
 
 from hotweights.adapters._vllm import VLLMTransportAdapter
 from hotweights.adapters.base import Items, PrefixCachePolicy
 from hotweights.core.buckets import Bucket
-from hotweights.core.errors import EngineNotSupportedError
+from hotweights.core.delta import EncodedDelta, StagedDelta
+from hotweights.core.errors import (
+    DeltaBaseMismatchError,
+    EngineNotSupportedError,
+    Mismatch,
+    MismatchKind,
+    WeightManifestValidationError,
+)
 from hotweights.core.manifest import ExpectedWeights, WeightUpdateManifest
 from hotweights.core.report import PhaseTimer
 from hotweights.engine import compat
@@ -122,6 +129,60 @@ class VLLMMultiprocessAdapter(VLLMTransportAdapter):
         commit = "" if self.commit == "atomic" else f"-{self.commit}"
         return f"{super().label}{method}{commit}"
 
+    # Delta installs: the workers keep the host copy (:mod:`hotweights.engine.delta`); only the delta's wire tensors
+    # (indices, values, changed whole tensors) cross, as buckets through the transport, staged like any update.
+    def _delta_refusal(self) -> str | None:
+        if self.commit != "atomic":
+            return (
+                "delta installs need commit='atomic': a streaming install writes while it receives, so the workers "
+                "keep no copy of what they serve"
+            )
+        return None
+
+    def forget_delta_base(self) -> None:
+        super().forget_delta_base()
+        with contextlib.suppress(Exception):
+            self.call("hotweights_delta_track", False)
+
+    def _install_delta(
+        self, manifest: WeightUpdateManifest, delta: EncodedDelta, staged: StagedDelta, timer: PhaseTimer
+    ) -> dict[str, int]:
+        dm = delta.manifest
+        wire = dm.wire_manifest(delta.wire if manifest.has_digests else None)
+        with timer("begin"):
+            answers = self.call("hotweights_delta_begin", dm.to_json(), wire.to_json() if wire is not None else "")
+        refused = [str(a.get("serving")) for a in answers if not a.get("ok")]
+        if refused:
+            self._delta_base = None  # the next install sends everything
+            raise DeltaBaseMismatchError(dm.weight_version, dm.base_version, refused[0])
+
+        def stage(bucket: Bucket, descriptor: Descriptor) -> None:
+            self.call("hotweights_stage", dm.update_id, bucket.model_dump_json(), descriptor)
+
+        try:
+            if wire is not None:
+                self._send_buckets(wire, delta.wire, timer, stage)
+            with timer("delta_apply"):  # every worker checks the delta and rebuilds its tensors aside
+                found = [p for worker in self.call("hotweights_delta_prepare", dm.update_id) for p in worker]
+            if found:
+                problems = [
+                    Mismatch(cast(MismatchKind, p["kind"]), p["name"], p["expected"], p["actual"]) for p in found
+                ]
+                raise WeightManifestValidationError(problems, context="delta update (engine side)")
+            self._begin_writing(timer)
+            with timer("install"):
+                summaries = self.call("hotweights_delta_commit", dm.update_id, self.install_method)
+        except BaseException:
+            with contextlib.suppress(Exception):
+                self.engine.call("hotweights_delta_abort", dm.update_id, timeout=30.0)
+            raise
+        methods = sorted({str(s.get("install_method")) for s in summaries})
+        self._ran(
+            methods[0] if len(methods) == 1 else "mixed",
+            " | ".join(sorted({str(s.get("install_reason")) for s in summaries})),
+        )
+        return {"digests_verified": min(int(s.get("digests_verified", 0)) for s in summaries)}
+
     def _install(self, manifest: WeightUpdateManifest, items: Items, timer: PhaseTimer) -> dict[str, int]:
         tensors = dict(items)
         sent = self._sent_manifest(manifest, tensors)
@@ -132,6 +193,8 @@ class VLLMMultiprocessAdapter(VLLMTransportAdapter):
                 self._begin_writing(timer)  # this bucket goes into the live model
             self.call("hotweights_stage", sent.update_id, bucket.model_dump_json(), descriptor)
 
+        if self._delta_tracking:  # delta installs were asked for: the workers keep a copy of what this installs
+            self.call("hotweights_delta_track", True)
         with timer("begin"):  # a streaming direct install is planned here: refused before anything moves
             self.call("hotweights_begin", sent.to_json(), self.commit, self.install_method)
         try:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from hotweights.engine import delta as delta_state
 from hotweights.engine.staging import StagingArea
 from hotweights.engine.worker_ops import reload_checkpoint_tensors
 
@@ -68,6 +69,8 @@ class HotWeightsWorkerExtension:
             return update_id
         from hotweights.engine.streaming import open_stream
 
+        delta_state.forget(self)  # a streaming install writes as it receives: the delta copy cannot follow it
+
         if method != "auto":  # a forced method: the stream plans (or refuses) itself
             chosen[:] = [None, method, f"install_method={method!r} was asked for"]
         update_id = self._hotweights.begin(
@@ -99,6 +102,7 @@ class HotWeightsWorkerExtension:
             refreshed, session = staging.finish_stream(update_id)
         else:
             items, session = staging.take(update_id)
+            delta_state.forget(self)  # from the first write until the install is done, the copy is stale
             if ran == "direct":
                 from hotweights.engine.direct import apply_direct
                 from hotweights.engine.worker_ops import after_weights_changed, worker_model
@@ -110,6 +114,8 @@ class HotWeightsWorkerExtension:
                 after_weights_changed(self)
             else:
                 refreshed = reload_checkpoint_tensors(self, items)
+        if session.stream is None:
+            delta_state.remember(self, session.manifest, items)  # while delta installs are asked for
         summary: dict[str, int | str] = {
             "tensors": len(session.manifest.tensors),
             "bytes": session.nbytes,
@@ -126,6 +132,28 @@ class HotWeightsWorkerExtension:
         from hotweights.engine.worker_ops import worker_model
 
         return plan_direct(model_slots(worker_model(self)), manifest.tensors)
+
+    # Delta installs (:mod:`hotweights.engine.delta`): begin -> stage per bucket -> prepare -> commit, or abort.
+    def hotweights_delta_track(self, on: bool = True) -> bool:
+        """Keep (``on``) a host copy of every full install from now on, for deltas to apply to; or drop it."""
+        return delta_state.track(self, on)
+
+    def hotweights_delta_begin(self, delta_json: str, wire_json: str = "") -> dict[str, Any]:
+        """Open a delta session if this worker's copy is the delta's base (``{"ok": False, "serving": ...}``
+        otherwise); its wire tensors then arrive through ``hotweights_stage`` like any bucket."""
+        return delta_state.begin(self, self._hotweights, delta_json, wire_json)
+
+    def hotweights_delta_prepare(self, update_id: str) -> list[dict[str, str]]:
+        """Check the staged delta completely and rebuild its tensors aside; the problems found (none: ready)."""
+        return delta_state.prepare(self, self._hotweights, update_id)
+
+    def hotweights_delta_commit(self, update_id: str, method: str = "auto") -> dict[str, int | str]:
+        """Install every tensor of the blocks the prepared delta touched, then move the copy to its version."""
+        return delta_state.commit(self, update_id, method)
+
+    def hotweights_delta_abort(self, update_id: str | None = None) -> bool:
+        """Drop the open delta session; the model and the copy were never touched."""
+        return delta_state.abort(self, self._hotweights, update_id)
 
     def hotweights_abort(self, update_id: str | None = None) -> bool:
         """Drop the open session (only ``update_id``'s when given); the model was never touched."""
