@@ -65,6 +65,7 @@ ZERO_CONFIG = "zero-config: vLLM reload_weights(weights_path), /dev/shm checkpoi
 KEPT_DIRECT = "multiprocess shm, kept segments, direct setter"
 #: ``VLLMMultiprocessAdapter(llm)`` with no options: what ``hotweights.install`` takes on an extension engine.
 DEFAULT = "multiprocess default (shm, install_method='auto', atomic)"
+DEFAULT_VERIFY = "multiprocess default, verify=True (read-back after the commit)"
 KEPT_STREAMING = "multiprocess shm, kept segment, direct setter, streaming"
 #: The issue's baseline, "one collective_rpc per tensor inside one reload session": each RPC carries one tensor and
 #: feeds it to ``model.load_weights`` inside one open layerwise reload (a streaming session, 1-byte buckets).
@@ -245,6 +246,7 @@ def bench_model(name: str, size: str, repeats: int, tmp: Path) -> tuple[list[Row
         shm = TimedShm()
         methods: list[tuple[str, str | WeightTransport, int | None, str]] = [
             (DEFAULT, "shm", None, "auto"),
+            (DEFAULT_VERIFY, "shm", None, "auto+verify"),
             ("multiprocess shm", shm, None, "reload"),
             ("multiprocess shm, direct setter", "shm", None, "direct"),
             ("multiprocess shm, kept segments", make_transport("shm", keep_segments=True), None, "reload"),
@@ -263,9 +265,14 @@ def bench_model(name: str, size: str, repeats: int, tmp: Path) -> tuple[list[Row
         )
         stages: list[float] = []  # seconds inside shm's stage RPCs, per install
         for label, transport, bucket, how in methods:
-            method, _, commit = how.partition("-")
+            method, _, commit = how.removesuffix("+verify").partition("-")
             mp = VLLMMultiprocessAdapter(
-                llm, transport=transport, bucket_bytes=bucket, install_method=method, commit=commit or "atomic"
+                llm,
+                transport=transport,
+                bucket_bytes=bucket,
+                install_method=method,
+                commit=commit or "atomic",
+                verify=how.endswith("+verify"),
             )
             adapters.append(mp)
             run.adopt(mp)
@@ -442,6 +449,12 @@ def main() -> None:
             print(f"[{model}] {method} GB/s / in-process GB/s = {ratio:.2f} (target >= 0.8)")
     for model in checks:
         print(f"[{model}] {DEFAULT} speed / in-process adapter speed = {s[model, IN_PROCESS] / s[model, DEFAULT]:.2f}x")
+        verify_ms = (s[model, DEFAULT_VERIFY] - s[model, DEFAULT]) * 1e3
+        print(
+            f"[{model}] the verify=True row minus the default row: {verify_ms:.1f} ms per install (a difference of "
+            "two medians, within this machine's run-to-run noise for small models; the read-back's own cost is "
+            "the 'verify' phase of VLLMDirectSetterAdapter(llm, verify=True))"
+        )
     if "many" in checks:
         for method in [m for model, m, _, _ in rows if model == "many" and m.startswith("multiprocess shm")]:
             ratio, staged = s["many", PER_TENSOR] / s["many", method], s["many", PER_TENSOR_STAGED] / s["many", method]

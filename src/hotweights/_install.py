@@ -76,6 +76,7 @@ def install(
     pause: PauseMode = "wait",
     adapter: WeightInstallAdapter | None = None,
     delta: bool = False,
+    verify: bool | None = None,
 ) -> InstallReport:
     """Install ``tensors`` (checkpoint format, e.g. ``model.state_dict()``) into a running engine.
 
@@ -91,6 +92,11 @@ def install(
             :data:`~hotweights.handles.PauseMode`). A ``vllm.LLM`` always waits for running generation calls.
         adapter: install through this adapter (built on ``engine``, e.g. ``VLLMMultiprocessAdapter(engine,
             commit="streaming")``) instead of the one :func:`adapter_for` picks.
+        verify: after the commit, the engine's workers read the live parameters back and compare them with what
+            ``tensors`` put there (fused q/k/v and gate/up slices through the direct setter's plan); a mismatch is an
+            :class:`InstallError` and generation then fails closed. Needs the worker extension (or an adapter that
+            reads back, e.g. ``VLLMDirectSetterAdapter(llm)`` in-process): elsewhere ``ValueError``, nothing written.
+            On CPU, linear weights packed by vLLM hold no data: ``report.readback_unreadable`` counts them.
         delta: send only what changed since the version this adapter last installed into this engine: unchanged
             tensors are skipped, tensors with few changed elements go as indices + values (see ``docs/delta.md``).
             The first ``delta=True`` install sends everything (``report.delta == "full"``) and from then on the
@@ -117,7 +123,7 @@ def install(
             "`report = await hotweights.install_async(engine, tensors, weight_version=step)`"
         )
     args = (engine, tensors, weight_version, update_id, layout, metadata)
-    return _install(*args, force=force, digests=digests, pause=pause, adapter=adapter, delta=delta)
+    return _install(*args, force=force, digests=digests, pause=pause, adapter=adapter, delta=delta, verify=verify)
 
 
 async def install_async(
@@ -133,6 +139,7 @@ async def install_async(
     pause: PauseMode = "wait",
     adapter: WeightInstallAdapter | None = None,
     delta: bool = False,
+    verify: bool | None = None,
 ) -> InstallReport:
     """:func:`install` for async code: same arguments, report and errors; works on any engine, and is the way to
     install into an ``AsyncLLM`` (await it on the loop the engine runs on).
@@ -155,7 +162,7 @@ async def install_async(
         handle.bind(asyncio.get_running_loop(), pause)
     args = (engine, tensors, weight_version, update_id, layout, metadata)
     return await asyncio.to_thread(
-        _install, *args, force=force, digests=digests, pause=pause, adapter=adapter, delta=delta
+        _install, *args, force=force, digests=digests, pause=pause, adapter=adapter, delta=delta, verify=verify
     )
 
 
@@ -172,6 +179,7 @@ def _install(
     pause: PauseMode,
     adapter: WeightInstallAdapter | None,
     delta: bool = False,
+    verify: bool | None = None,
 ) -> InstallReport:
     handle: EngineHandle = as_engine(engine)
     if adapter is not None and getattr(adapter, "engine", handle) is not handle:
@@ -181,4 +189,4 @@ def _install(
     manifest = WeightUpdateManifest.from_state_dict(
         items, weight_version=weight_version, update_id=update_id, layout=layout, metadata=metadata, digests=digests
     )
-    return (adapter or adapter_for(engine)).install(manifest, items, force=force, delta=delta)
+    return (adapter or adapter_for(engine)).install(manifest, items, force=force, delta=delta, verify=verify)

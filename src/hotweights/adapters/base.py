@@ -64,6 +64,10 @@ class WeightInstallAdapter(ABC):
     sharded: ClassVar[bool] = False
     #: Whether manifest digests are checked here, before sending (True) or by the engine after transit (False).
     verifies_digests_locally: ClassVar[bool] = True
+    #: Whether ``install(..., verify=True)`` can read the live parameters back after the commit.
+    verifies_readback: ClassVar[bool] = False
+    #: Default of ``install(verify=...)``; adapters that read back take ``verify=`` in their constructor.
+    verify: bool = False
 
     def __init__(
         self,
@@ -93,6 +97,7 @@ class WeightInstallAdapter(ABC):
         """Keep the host copy current on every install (set by the first ``delta=True`` install)."""
         self._delta_engine_version: str | None = None
         self._path: tuple[str, str] | None = None  # set by _ran() during an install, read into its report
+        self._verify_now = False  # install(verify=...) of the install in progress
 
     @property
     def label(self) -> str:
@@ -101,7 +106,13 @@ class WeightInstallAdapter(ABC):
 
     # ------------------------------------------------------------------ public verb
     def install(
-        self, manifest: WeightUpdateManifest, tensors: TensorsLike, *, force: bool = False, delta: bool = False
+        self,
+        manifest: WeightUpdateManifest,
+        tensors: TensorsLike,
+        *,
+        force: bool = False,
+        delta: bool = False,
+        verify: bool | None = None,
     ) -> InstallReport:
         """Validate ``tensors`` against ``manifest`` and the engine, install them, and report.
 
@@ -109,6 +120,9 @@ class WeightInstallAdapter(ABC):
             manifest: what is being installed (see :meth:`WeightUpdateManifest.from_state_dict`).
             tensors: mapping or ``(name, tensor)`` pairs in checkpoint format, on any device.
             force: install even if ``manifest.weight_version`` is not newer than the active version.
+            verify: after the commit, read the live parameters back and compare them with what ``tensors`` put
+                there (None: the adapter's ``verify``). A mismatch raises :class:`InstallError` and generation
+                fails closed. Raises ``ValueError`` (nothing written) where the adapter cannot read back.
             delta: send only what changed since the version this adapter last installed (see
                 :mod:`hotweights.core.delta`); the first such install sends everything and keeps a host copy to
                 diff against (``report.delta == "full"``). Raises :class:`DeltaBaseMismatchError` when the engine
@@ -129,6 +143,12 @@ class WeightInstallAdapter(ABC):
                 "raise lock_timeout"
             )
         try:
+            self._verify_now = self._verify_option(verify)
+            if self._verify_now and delta:
+                raise ValueError(
+                    "verify=True and delta=True do not combine yet (a delta install reinstalls only the "
+                    "touched blocks); nothing was written. Install with one of them."
+                )
             return log_report(self._install_locked(manifest, _as_items(tensors), force, delta))
         finally:
             self._lock.release()
@@ -249,6 +269,8 @@ class WeightInstallAdapter(ABC):
             digests_verified=int(summary.get("digests_verified", 0)),
             install_method=path[0] if path else None,
             install_reason=path[1] if path else None,
+            readback_verified=int(summary.get("readback_verified", 0)) if self._verify_now else None,
+            readback_unreadable=int(summary.get("readback_unreadable", 0)) if self._verify_now else None,
             phases=timer.phases,
             bytes_sent=delta[0].bytes_sent if delta is not None else sum(t.nbytes for _, t in send),
             delta="applied" if delta is not None else "full" if delta_asked else "off",
@@ -299,6 +321,16 @@ class WeightInstallAdapter(ABC):
         gate, and a failure after it triggers :meth:`_recover`. May return counters for the report
         (``digests_verified``).
         """
+
+    def _verify_option(self, verify: bool | None) -> bool:
+        wanted = self.verify if verify is None else verify
+        if wanted and not self.verifies_readback:
+            raise ValueError(
+                f"the {self.label} adapter cannot read the engine's parameters back, so verify=True is refused; "
+                "nothing was written. Read-back needs the worker extension (VLLMMultiprocessAdapter, what "
+                "hotweights.install picks on an extension engine) or VLLMDirectSetterAdapter on an in-process engine."
+            )
+        return wanted
 
     def _ran(self, method: str, reason: str) -> None:
         """Called by an adapter's :meth:`_install`: which install path ran (e.g. ``"direct"``) and why, for the

@@ -10,7 +10,7 @@ from hotweights.core.errors import EngineNotSupportedError
 from hotweights.core.manifest import ExpectedWeights, WeightUpdateManifest
 from hotweights.core.report import PhaseTimer
 from hotweights.engine import compat
-from hotweights.engine.direct import DirectPlan, ParamSlot, apply_direct, describe_model, plan_direct
+from hotweights.engine.direct import DirectPlan, ParamSlot, apply_direct, describe_model, plan_direct, verify_readback
 
 __all__ = ["VLLMDirectSetterAdapter"]
 
@@ -29,6 +29,10 @@ class VLLMDirectSetterAdapter(VLLMEngineAdapter):
         llm: an in-process ``vllm.LLM`` (``VLLM_ENABLE_V1_MULTIPROCESSING=0``); for multiprocess engines use
             ``VLLMMultiprocessAdapter(llm, install_method="direct")``.
         expected, prefix_cache, lock_timeout, guard_generation: as for the other adapters.
+        verify: default of ``install(..., verify=...)``: after the copies, read every placed slice back from the
+            live parameters and compare it with the trainer's tensor (a ``verify`` phase in the report); a mismatch
+            is an :class:`InstallError` and generation fails closed. On CPU, linear weights packed by vLLM hold no
+            data to read (``report.readback_unreadable``); an engine that keeps them unpacked is verified whole.
 
     Example:
         >>> adapter = VLLMDirectSetterAdapter(llm)                                     # doctest: +SKIP
@@ -37,6 +41,7 @@ class VLLMDirectSetterAdapter(VLLMEngineAdapter):
     """
 
     name = "direct-setter"
+    verifies_readback = True
 
     def __init__(
         self,
@@ -46,6 +51,7 @@ class VLLMDirectSetterAdapter(VLLMEngineAdapter):
         prefix_cache: PrefixCachePolicy = "reset",
         lock_timeout: float | None = 600.0,
         guard_generation: bool = True,
+        verify: bool = False,
     ) -> None:
         if compat.engine_mode(llm) != "inprocess":
             raise EngineNotSupportedError(
@@ -61,6 +67,7 @@ class VLLMDirectSetterAdapter(VLLMEngineAdapter):
             guard_generation=guard_generation,
         )
         self.model = compat.inprocess_model(llm)
+        self.verify = verify
         self._slots: dict[str, ParamSlot] | None = None
 
     def plan(self, manifest: WeightUpdateManifest) -> DirectPlan:
@@ -82,4 +89,13 @@ class VLLMDirectSetterAdapter(VLLMEngineAdapter):
         with timer("install"):
             apply_direct(self.model, plan, dict(items))
         self._ran("direct", "VLLMDirectSetterAdapter writes the parameters in place")
-        return self._digests(manifest)
+        if not self._verify_now:
+            return self._digests(manifest)
+        with timer("verify"):
+            verified, unreadable, bad = verify_readback(self.model, plan, dict(items))
+        if bad:
+            raise ValueError(
+                f"readback after the install: {len(bad)} tensor(s) in the live parameters differ from what the "
+                f"trainer sent: {bad[:5]}"
+            )
+        return {**self._digests(manifest), "readback_verified": verified, "readback_unreadable": unreadable}

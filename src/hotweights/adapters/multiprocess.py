@@ -58,6 +58,11 @@ class VLLMMultiprocessAdapter(VLLMTransportAdapter):
         guard_generation: wrap this ``LLM``'s generation methods so that an install never overlaps a generation
             call in another thread (the install waits for running calls; new ones wait for the install).
         rpc_timeout: seconds each RPC may take before :class:`HotWeightsTimeoutError`.
+        verify: default of ``install(..., verify=...)``: after the commit every worker reads its parameters back and
+            compares them with the staged tensors (each fused slice through the direct setter's plan); a mismatch
+            is an :class:`InstallError` and generation fails closed. Parameters that hold no data (linear weights
+            packed by vLLM on CPU) cannot be read: ``report.readback_unreadable`` counts them. Needs
+            ``commit="atomic"`` (a streaming install keeps no copy of what it wrote).
 
     Example:
         >>> llm = LLM(model=path, worker_extension_cls=hotweights.WORKER_EXTENSION)       # doctest: +SKIP
@@ -66,6 +71,7 @@ class VLLMMultiprocessAdapter(VLLMTransportAdapter):
     """
 
     name = "multiprocess"
+    verifies_readback = True
 
     def __init__(
         self,
@@ -80,6 +86,7 @@ class VLLMMultiprocessAdapter(VLLMTransportAdapter):
         rpc_timeout: float | None = 300.0,
         lock_timeout: float | None = 600.0,
         guard_generation: bool = True,
+        verify: bool = False,
     ) -> None:
         if install_method not in ("auto", "reload", "direct"):
             raise ValueError(f"install_method must be 'auto', 'reload' or 'direct', not {install_method!r}")
@@ -104,6 +111,9 @@ class VLLMMultiprocessAdapter(VLLMTransportAdapter):
                 "bucket), and install_method='auto' may fall back to that reload: use install_method='direct' (one "
                 "segment for every bucket), or a plain shm transport"
             )
+        if verify and commit == "streaming":
+            raise ValueError("verify=True needs commit='atomic': a streaming install keeps no copy of what it wrote")
+        self.verify = verify
         self.install_method = install_method
         self.commit = commit
         super().__init__(
@@ -184,6 +194,8 @@ class VLLMMultiprocessAdapter(VLLMTransportAdapter):
         return {"digests_verified": min(int(s.get("digests_verified", 0)) for s in summaries)}
 
     def _install(self, manifest: WeightUpdateManifest, items: Items, timer: PhaseTimer) -> dict[str, int]:
+        if self._verify_now and self.commit == "streaming":
+            raise ValueError("verify=True needs commit='atomic': a streaming install keeps no copy of what it wrote")
         tensors = dict(items)
         sent = self._sent_manifest(manifest, tensors)
         streaming = self.commit == "streaming"
@@ -201,7 +213,7 @@ class VLLMMultiprocessAdapter(VLLMTransportAdapter):
             self._send_buckets(sent, tensors, timer, stage, whole_layers=streaming)
             self._begin_writing(timer)
             with timer("install"):
-                summaries = self.call("hotweights_finish", sent.update_id, self.install_method)
+                summaries = self.call("hotweights_finish", sent.update_id, self.install_method, None, self._verify_now)
         except BaseException:
             with contextlib.suppress(Exception):
                 self.engine.call("hotweights_abort", sent.update_id, timeout=30.0)
@@ -209,4 +221,8 @@ class VLLMMultiprocessAdapter(VLLMTransportAdapter):
         methods = sorted({str(s.get("install_method", self.install_method)) for s in summaries})
         reasons = sorted({str(s.get("install_reason", "")) for s in summaries})
         self._ran(methods[0] if len(methods) == 1 else "mixed", " | ".join(reasons))  # workers agree on one model
-        return {"digests_verified": min(int(s.get("digests_verified", 0)) for s in summaries)}
+        return {
+            "digests_verified": min(int(s.get("digests_verified", 0)) for s in summaries),
+            "readback_verified": min(int(s.get("readback_verified", 0)) for s in summaries),
+            "readback_unreadable": max(int(s.get("readback_unreadable", 0)) for s in summaries),
+        }

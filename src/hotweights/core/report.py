@@ -45,6 +45,12 @@ class InstallReport(BaseModel):
     ``"reload"`` (vLLM's layerwise reload); None where the adapter has one way only and does not say."""
     install_reason: str | None = None
     """Why ``install_method`` ran (e.g. ``install_method='auto'``'s verdict on the model)."""
+    readback_verified: int | None = None
+    """``install(..., verify=True)`` only: checkpoint tensors read back from the live parameters after the commit,
+    equal to what was sent (each worker's slice; the fewest over workers). None: not verified."""
+    readback_unreadable: int | None = None
+    """``verify=True`` only: tensors whose parameter holds no data to read (on CPU vLLM packs linear weights into
+    oneDNN handles, leaving 0-element parameters), so they were not compared."""
     phases: dict[str, float] = Field(default_factory=dict)
     bytes_sent: int = -1
     """Bytes that crossed to the engine: ``num_bytes`` for a full install, the delta's indices and values for a
@@ -107,6 +113,8 @@ class InstallReport(BaseModel):
             "digests_verified": self.digests_verified,
             **({"install_method": self.install_method} if self.install_method is not None else {}),
             **({"install_reason": self.install_reason} if self.install_reason is not None else {}),
+            **({"readback_verified": self.readback_verified} if self.readback_verified is not None else {}),
+            **({"readback_unreadable": self.readback_unreadable} if self.readback_unreadable is not None else {}),
             "seconds": seconds,
             "gbps": self.gbps if seconds > 0 else None,
         }
@@ -130,9 +138,12 @@ class InstallReport(BaseModel):
         )
 
     def _path_text(self) -> str:
-        if self.install_method is None:
-            return ""
-        return f" [{self.install_method}" + (f": {self.install_reason}]" if self.install_reason else "]")
+        text = ""
+        if self.install_method is not None:
+            text = f" [{self.install_method}" + (f": {self.install_reason}]" if self.install_reason else "]")
+        if self.readback_verified is not None:
+            text += f" (read back: {self.readback_verified} tensors equal, {self.readback_unreadable or 0} unreadable)"
+        return text
 
 
 class PhaseTimer:

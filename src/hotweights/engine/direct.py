@@ -32,6 +32,7 @@ __all__ = [
     "direct_refusals",
     "model_slots",
     "plan_direct",
+    "verify_readback",
 ]
 
 
@@ -359,3 +360,33 @@ def choose_method(
         return None, "reload", f"auto: the direct setter's plan cannot place this update: {first}"
     why = f"auto: {type(model).__name__}, only allow-listed layers, plan placed all {len(plan.placements)} copies"
     return plan, "direct", why
+
+
+@torch.no_grad()
+def verify_readback(
+    model: torch.nn.Module, plan: DirectPlan, tensors: Mapping[str, torch.Tensor]
+) -> tuple[int, int, list[str]]:
+    """Read every placement of ``plan`` back from the live parameters and compare it with the slice of the
+    trainer's tensor that the plan put there (q/k/v and gate/up slices of fused parameters included).
+
+    Returns ``(verified, unreadable, mismatched)``: checkpoint tensors whose every placement read back equal; those
+    with a placement in a parameter that holds no data (on CPU vLLM moves linear weights into packed oneDNN handles,
+    leaving a 0-element parameter: nothing to read); and the names that differ.
+    """
+    unreadable: set[str] = set()
+    bad: set[str] = set()
+    for p, slot in plan.placements:
+        param = getattr(model.get_submodule(slot.module_name), slot.attr)
+        if param.numel() == 0:
+            unreadable.add(p.checkpoint_name)
+            continue
+        src = tensors[p.checkpoint_name]
+        if src.dim() == 0:
+            live, want = param.data, src
+        else:
+            live = param.data.narrow(p.dim, p.dst_start, p.length)
+            want = src.narrow(p.dim, p.src_start, p.length)
+        if not torch.equal(live, want.to(device=live.device, dtype=live.dtype)):
+            bad.add(p.checkpoint_name)
+    names = {p.checkpoint_name for p, _ in plan.placements}
+    return len(names - unreadable - bad), len(unreadable - bad), sorted(bad)

@@ -18,10 +18,12 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from hotweights.engine import delta as delta_state
-from hotweights.engine.staging import StagingArea
+from hotweights.engine.staging import InstallSession, StagingArea
 from hotweights.engine.worker_ops import reload_checkpoint_tensors
 
 if TYPE_CHECKING:
+    import torch
+
     from hotweights.core.manifest import WeightUpdateManifest
     from hotweights.engine.direct import DirectPlan
 
@@ -85,16 +87,18 @@ class HotWeightsWorkerExtension:
         return self._hotweights.stage(update_id, bucket_json, descriptor)
 
     def hotweights_finish(
-        self, update_id: str, method: str = "reload", ignored: dict[str, str] | None = None
+        self, update_id: str, method: str = "reload", ignored: dict[str, str] | None = None, verify: bool = False
     ) -> dict[str, int | str]:
         """Install every staged tensor, if and only if all of them arrived: in one layerwise reload
         (``method="reload"``) or by the direct setter (``"direct"``: planned first, then copied in place); ``"auto"``:
         as decided at ``begin``. The summary names the method that ran and why (``install_method``,
-        ``install_reason``)."""
+        ``install_reason``). ``verify`` reads the live parameters back afterwards (:meth:`_readback`)."""
         if method not in ("reload", "direct", "auto"):
             raise ValueError(f"unknown install method {method!r}; use 'auto', 'direct' or 'reload'")
         staging = self._hotweights
         session = staging.current(update_id)
+        if verify and session.stream is not None:
+            raise ValueError("verify needs an atomic commit: a streaming install keeps no copy of what it wrote")
         ran = session.method if method == "auto" or session.stream is not None else method
         ran = ran or "reload"
         reason = session.method_reason if ran == session.method else f"install_method={ran!r} was asked for"
@@ -124,7 +128,32 @@ class HotWeightsWorkerExtension:
             "install_method": ran,
             "install_reason": reason,
         }
+        if verify:
+            summary.update(self._readback(session, items))
         return summary
+
+    def _readback(self, session: InstallSession, items: list[tuple[str, torch.Tensor]]) -> dict[str, int | str]:
+        """Compare the live parameters with what the staged tensors put there (the direct setter's plan knows each
+        fused slice); raise naming every tensor that differs. A reload install is checked with the same plan when
+        the model passes the setter's safety rule (its post-processing then leaves data-holding parameters as
+        loaded); otherwise nothing can be read back."""
+        from hotweights.engine.direct import direct_refusals, model_slots, plan_direct, verify_readback
+        from hotweights.engine.worker_ops import worker_model
+
+        model = worker_model(self)
+        plan = session.direct_plan
+        if plan is None:
+            refusals = direct_refusals(model)
+            if refusals:
+                return {"readback_verified": 0, "readback_unreadable": len(items), "readback_note": refusals[0]}
+            plan = plan_direct(model_slots(model), session.manifest.tensors)
+        verified, unreadable, bad = verify_readback(model, plan, dict(items))
+        if bad:
+            raise ValueError(
+                f"readback after the install: {len(bad)} tensor(s) in the live parameters differ from what the trainer "
+                f"sent: {bad[:5]}"
+            )
+        return {"readback_verified": verified, "readback_unreadable": unreadable}
 
     def _direct_plan(self, manifest: WeightUpdateManifest) -> DirectPlan:
         """The direct setter's plan for ``manifest`` on this worker's model (raises if it cannot place it)."""

@@ -1,0 +1,140 @@
+"""install(..., verify=True): the live parameters are read back after the commit and compared with the trainer's
+tensors; a corrupted parameter is an InstallError and generation fails closed until a full install.
+
+Two real in-process engines, one after the other: one whose linear weights stay unpacked (parameters hold their
+data, as on a GPU: everything is read back) through ``VLLMDirectSetterAdapter``; one with vLLM's default packed CPU
+weights, started with the worker extension, through ``VLLMMultiprocessAdapter`` (the workers' read-back path: only
+parameters that hold data can be read)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+import hotweights
+from hotweights import (
+    InstallError,
+    PartialUpdateError,
+    VLLMDirectSetterAdapter,
+    VLLMMultiprocessAdapter,
+    WeightUpdateManifest,
+)
+from hotweights.adapters import direct as direct_adapter
+from hotweights.engine import compat
+from hotweights.engine import direct as direct_engine
+
+from .conftest import TinyCheckpoint, Variant, greedy_vllm, start_engine, stop_engine
+
+pytestmark = pytest.mark.engine
+
+VARIANT = Variant("qwen2", torch.float32, tie=False)
+K = "model.layers.0.self_attn.k_proj.weight"
+#: Linear weights per layer of the tiny Qwen2 (q, k, v, o, gate, up, down): packed by vLLM on CPU.
+LINEAR_PER_LAYER = 7
+
+
+def _manifest(sd: dict[str, torch.Tensor], version: int) -> WeightUpdateManifest:
+    return WeightUpdateManifest.from_state_dict(sd, weight_version=version)
+
+
+def _keep_weights_unpacked(monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM's CPU linear layers keep their weight (no oneDNN / SGL packing), as ``bench_install.py --weights
+    unpacked`` does: parameters hold their data."""
+    from vllm import _custom_ops
+    from vllm.model_executor.layers import utils
+
+    monkeypatch.setattr(_custom_ops, "_supports_onednn", False)
+    monkeypatch.setattr(utils, "check_cpu_sgl_kernel", lambda n, k, dtype: False)
+
+
+def _corrupting(real: Callable[..., int], corrupt: Callable[[Any], None]) -> Any:
+    """``apply_direct`` that writes, then ``corrupt(model)`` (after the write, before the read-back)."""
+
+    def apply(model: torch.nn.Module, plan: Any, tensors: Any, **kw: Any) -> int:
+        n = real(model, plan, tensors, **kw)
+        with torch.no_grad():
+            corrupt(model)
+        return n
+
+    return apply
+
+
+def _flip_a_k_row(model: Any) -> None:
+    """One element of layer 0's k rows inside the fused ``qkv_proj`` (the plan's k slice)."""
+    qkv = model.model.layers[0].self_attn.qkv_proj
+    qkv.weight.data[qkv.num_heads * qkv.head_size + 3, 5] += 1.0
+
+
+def _flip_the_final_norm(model: Any) -> None:
+    model.model.norm.weight.data[0] += 1.0
+
+
+def test_direct_setter_reads_everything_back_and_catches_a_corrupted_slice(
+    checkpoint: Callable[[Variant, int], TinyCheckpoint],
+) -> None:
+    a, b = checkpoint(VARIANT, 1), checkpoint(VARIANT, 2)
+    with pytest.MonkeyPatch.context() as mp:
+        _keep_weights_unpacked(mp)
+        llm = start_engine(a.path)
+        try:
+            adapter = VLLMDirectSetterAdapter(llm, verify=True)
+            assert adapter.model.model.layers[0].self_attn.qkv_proj.weight.numel() > 0  # unpacked: holds its data
+            sd = b.state_dict()
+            report = adapter.install(_manifest(sd, 1), sd)
+            assert (report.readback_verified, report.readback_unreadable) == (len(sd), 0)
+            assert "verify" in report.phases and f"(read back: {len(sd)} tensors equal, 0 unreadable)" in str(report)
+            assert greedy_vllm(llm) == b.hf
+
+            mp.setattr(direct_adapter, "apply_direct", _corrupting(direct_adapter.apply_direct, _flip_a_k_row))
+            with pytest.raises(InstallError, match=rf"readback after the install: 1 tensor.*{K}"):
+                adapter.install(_manifest(a.state_dict(), 2), a.state_dict())
+            with pytest.raises(PartialUpdateError):  # fails closed
+                greedy_vllm(llm)
+            mp.undo()
+            _keep_weights_unpacked(mp)
+            report = adapter.install(_manifest(a.state_dict(), 2), a.state_dict())  # the same version heals it
+            assert report.readback_verified == len(sd)
+            assert greedy_vllm(llm) == a.hf
+            plain = adapter.install(_manifest(sd, 3), sd, verify=False)
+            assert plain.readback_verified is None and "verify" not in plain.phases
+        finally:
+            stop_engine(llm)
+
+
+def test_workers_read_back_what_holds_data_and_fail_closed_on_a_mismatch(
+    checkpoint: Callable[[Variant, int], TinyCheckpoint], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    a, b = checkpoint(VARIANT, 1), checkpoint(VARIANT, 2)
+    # In-process with the extension: the workers' own read-back runs here, where the test can reach it.
+    llm = start_engine(a.path, multiprocess=False, worker_extension_cls=compat.WORKER_EXTENSION)
+    try:
+        sd = b.state_dict()
+        with pytest.raises(ValueError, match=r"cannot read the engine's parameters back.*nothing was written"):
+            hotweights.install(llm, sd, weight_version=1, verify=True)  # picks the in-process reload adapter
+        assert greedy_vllm(llm) == a.hf
+        adapter = VLLMMultiprocessAdapter(llm)
+        layers = 2
+        for version, method in enumerate(("auto", "reload"), start=1):
+            adapter.install_method = method
+            report = hotweights.install(llm, sd, weight_version=version, verify=True, adapter=adapter)
+            assert report.install_method == ("direct" if method == "auto" else "reload")
+            assert report.readback_unreadable == LINEAR_PER_LAYER * layers  # packed by vLLM: no data to read
+            assert report.readback_verified == len(sd) - LINEAR_PER_LAYER * layers
+            assert greedy_vllm(llm) == b.hf
+
+        adapter.install_method = "auto"
+        monkeypatch.setattr(
+            direct_engine, "apply_direct", _corrupting(direct_engine.apply_direct, _flip_the_final_norm)
+        )
+        with pytest.raises(InstallError, match=r"readback after the install: 1 tensor.*model\.norm\.weight"):
+            hotweights.install(llm, a.state_dict(), weight_version=3, verify=True, adapter=adapter)
+        with pytest.raises(PartialUpdateError):
+            greedy_vllm(llm)
+        monkeypatch.undo()
+        hotweights.install(llm, a.state_dict(), weight_version=3, verify=True, adapter=adapter)
+        assert greedy_vllm(llm) == a.hf
+    finally:
+        stop_engine(llm)
