@@ -5,7 +5,10 @@ connects, and installs B, A, B, ... ``--repeats`` times through ``hotweights.ins
 for a server on this host), then the same through a ``VLLMMultiprocessAdapter`` with the collective transport (what
 a trainer on another host uses; forced here on loopback). Reports median seconds, GB/s and the median phases per
 path, and (fp32) whether greedy completions after the last install equal HF transformers'; exits non-zero
-otherwise. The server is killed (process group) at the end.
+otherwise. The server is killed (process group) at the end. Then, in the same run, the same model is served by a
+multiprocess ``vllm.LLM`` with the worker extension in this process and installed the same way: the remote/local
+ratio, the HTTP overhead per bucket (remote minus local transfer phase, per bucket) and the round trip of an empty
+worker call (``hotweights_ping``) over HTTP and locally.
 
 Run: ``flock /tmp/hotweights-engine.lock .venv/bin/python benchmarks/bench_remote.py [--size tiny|150m]
 [--repeats 5]``.
@@ -31,6 +34,7 @@ import httpx
 import torch
 
 import hotweights
+import hotweights.core.buckets
 from hotweights.serve import server_command
 from hotweights.testing import PROMPTS, build_tiny_model, greedy_hf, save_tiny_model
 
@@ -90,6 +94,32 @@ def summarize(name: str, reports: list[Any]) -> None:
     print(f"{name}: median {seconds:.3f} s ({gbps:.2f} GB/s) over {len(reports)} installs: {detail}")
 
 
+def ping_ms(call: Any, n: int = 20) -> float:
+    """Median milliseconds of an empty worker call (``hotweights_ping``) through ``call``."""
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        call("hotweights_ping", timeout=30.0)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e3
+
+
+def local_engine(path: Path, states: dict[int, dict[str, torch.Tensor]], repeats: int) -> tuple[list[Any], float]:
+    """Installs into a multiprocess ``vllm.LLM`` with the worker extension, in this process (the same way)."""
+    from hotweights.testing import start_engine, stop_engine
+
+    llm = start_engine(path, multiprocess=True, worker_extension_cls=hotweights.WORKER_EXTENSION)
+    try:
+        reports = []
+        for i in range(repeats + 1):
+            report = hotweights.install(llm, states[2 if i % 2 == 0 else 1], weight_version=i + 1)
+            if i:
+                reports.append(report)
+        return reports, ping_ms(hotweights.as_engine(llm).call)
+    finally:
+        stop_engine(llm)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--size", choices=sorted(SIZES), default="tiny")
@@ -113,6 +143,11 @@ def main() -> int:
                 if i:  # the first install warms up
                     shm_reports.append(report)
             summarize("install (shm, default)", shm_reports)
+            remote_ping = ping_ms(engine.call)
+            buckets = len(hotweights.core.buckets.plan_buckets(
+                hotweights.WeightUpdateManifest.from_state_dict(states[1], weight_version=1),
+                hotweights.adapter_for(engine).bucket_size,  # type: ignore[attr-defined]
+            ))  # fmt: skip
             collective_reports = []
             with hotweights.VLLMMultiprocessAdapter(engine, transport="collective") as adapter:
                 for i in range(args.repeats + 1):
@@ -127,6 +162,19 @@ def main() -> int:
             ok = completions(url, str(path)) == greedy_hf(models[last])
             print(f"greedy completions after the last install equal HF: {ok}")
             engine.close()
+        local_reports, local_ping = local_engine(path, states, args.repeats)
+    summarize("local multiprocess LLM, extension (shm, default)", local_reports)
+    remote_s = statistics.median(r.seconds for r in shm_reports)
+    local_s = statistics.median(r.seconds for r in local_reports)
+    transfer = {
+        name: statistics.median(r.phases.get("transfer", 0.0) for r in reports)
+        for name, reports in (("remote", shm_reports), ("local", local_reports))
+    }
+    print(
+        f"remote / local install time: {remote_s / local_s:.2f}x ({remote_s:.3f} s vs {local_s:.3f} s); "
+        f"HTTP overhead per bucket: {(transfer['remote'] - transfer['local']) / buckets * 1e3:.1f} ms over "
+        f"{buckets} buckets; empty worker call: {remote_ping:.2f} ms over HTTP, {local_ping:.2f} ms locally"
+    )
     return 0 if ok else 1
 
 
