@@ -98,6 +98,10 @@ def test_apply_rebuilds_the_new_tensors_bit_for_bit(update: tuple[dict[str, Any]
     assert again == delta.manifest
     staged = base.apply(again, delta.wire)
     assert {n: _raw(t) for n, t in base.tensors.items()} == before  # applied aside
+    sender = base.staged(delta)  # the sender's shortcut: same result from the copies encode kept
+    assert [n for n, _ in sender.items] == [n for n, _ in staged.items]
+    assert all(_raw(sender.changed[n]) == _raw(staged.changed[n]) for n in changed)
+    assert all(sender.changed[n].data_ptr() != new[n].data_ptr() for n in changed if new[n].numel())
     for name in changed:
         assert _raw(staged.changed[name]) == _raw(new[name])
     assert [n for n, _ in staged.items] == reinstall_names(changed, list(new))

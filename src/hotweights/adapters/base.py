@@ -171,7 +171,7 @@ class WeightInstallAdapter(ABC):
     def _encode_delta(
         self, manifest: WeightUpdateManifest, send: Items, timer: PhaseTimer
     ) -> tuple[EncodedDelta, StagedDelta]:
-        """The delta from the host copy to ``send``, checked by applying it aside (nothing written yet)."""
+        """The delta from the host copy to ``send``, and the same delta staged on the copy (nothing written yet)."""
         base = self._delta_base
         assert base is not None
         now = self._engine_version_now()
@@ -182,7 +182,7 @@ class WeightInstallAdapter(ABC):
             encoded = base.encode(
                 send, weight_version=manifest.weight_version, update_id=manifest.update_id, digests=manifest.has_digests
             )
-            return encoded, base.apply(encoded.manifest, encoded.wire)
+            return encoded, base.staged(encoded)
 
     def _begin_writing(self, timer: PhaseTimer) -> None:
         """Called by an adapter right before its first step that can change live weights: waits for running

@@ -37,8 +37,9 @@ from __future__ import annotations
 import uuid
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
+import numpy as np
 import torch
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
@@ -176,13 +177,29 @@ def _bits(flat: torch.Tensor) -> torch.Tensor:
     return flat.view(as_int)
 
 
+def _np_elements(flat: torch.Tensor) -> Any:
+    """A flat contiguous CPU tensor's elements as a numpy array of same-width integers, sharing memory (rows of
+    bytes for bool and odd widths): numpy's fancy indexing is far faster than torch's on CPU, and has no bf16."""
+    return _bits(flat).numpy()
+
+
+def _gather(flat: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """``flat[pos]`` (``pos`` int64, CPU), a new flat tensor."""
+    return torch.from_numpy(_np_elements(flat)[pos.numpy()]).reshape(-1).view(flat.dtype)
+
+
+def _scatter(flat: torch.Tensor, pos: torch.Tensor, values: torch.Tensor) -> None:
+    """``flat[pos] = values`` in place (``flat`` contiguous CPU, ``pos`` int64, ``values`` flat in flat's dtype)."""
+    _np_elements(flat)[pos.numpy()] = _np_elements(values.contiguous())
+
+
 def _changed_positions(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
     """Sorted flat int64 positions where the bits of ``new`` differ from ``old`` (both contiguous, CPU)."""
     a, b = _bits(old.reshape(-1)), _bits(new.reshape(-1))
     diff = a != b
     if diff.dim() == 2:
         diff = diff.any(dim=1)
-    return torch.nonzero(diff).view(-1)
+    return torch.from_numpy(np.flatnonzero(diff.numpy()))  # ~30x faster than torch.nonzero on CPU
 
 
 def _host(t: torch.Tensor) -> torch.Tensor:
@@ -323,6 +340,8 @@ class EncodedDelta:
 
     manifest: DeltaManifest
     wire: dict[str, torch.Tensor]
+    new: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Private CPU copies of the changed tensors (what the sender's base becomes once the delta is installed)."""
 
     @property
     def bytes_sent(self) -> int:
@@ -401,12 +420,14 @@ class DeltaBase:
             raise WeightManifestValidationError(problems, context="delta update")
         entries: dict[str, DeltaEntry] = {}
         wire: dict[str, torch.Tensor] = {}
+        copies: dict[str, torch.Tensor] = {}
         for name, t in items:
             new = _host(t)
             pos = _changed_positions(self.tensors[name], new)
             k, numel = pos.numel(), new.numel()
             if k == 0:
                 continue
+            new = copies[name] = new if new.data_ptr() != t.data_ptr() else _copy(new)  # never alias the caller
             shape, dtype = tuple(new.shape), dtype_to_str(new.dtype)
             digest = tensor_digest(new) if digests else None
             idx_dtype = index_dtype_for(numel)
@@ -415,7 +436,7 @@ class DeltaBase:
                     encoding="sparse", shape=shape, dtype=dtype, count=k, index_dtype=idx_dtype, digest=digest
                 )
                 wire[wire_name(name, "indices")] = pos.to(_INDEX_DTYPES[idx_dtype])
-                wire[wire_name(name, "values")] = new.reshape(-1)[pos]
+                wire[wire_name(name, "values")] = _gather(new.reshape(-1), pos)
             else:
                 entries[name] = DeltaEntry(encoding="full", shape=shape, dtype=dtype, count=numel, digest=digest)
                 wire[wire_name(name, "full")] = new
@@ -426,7 +447,16 @@ class DeltaBase:
             entries=entries,
             unchanged=len(items) - len(entries),
         )
-        return EncodedDelta(manifest, wire)
+        return EncodedDelta(manifest, wire, copies)
+
+    def staged(self, delta: EncodedDelta, *, group: Callable[[str], str] = layer_key) -> StagedDelta:
+        """What :meth:`apply` returns for a delta this base just encoded, without checking or rebuilding it again
+        (the sender's side: :meth:`encode` kept copies of the new tensors)."""
+        if delta.manifest.base_version != self.version or set(delta.new) != set(delta.manifest.entries):
+            raise ValueError("staged() takes a delta encoded by this base, at its current version")
+        names = reinstall_names(delta.new, self.tensors, group)
+        items = [(n, delta.new.get(n, self.tensors[n])) for n in names]
+        return StagedDelta(delta.manifest.weight_version, dict(delta.new), items)
 
     def apply(
         self,
@@ -454,7 +484,7 @@ class DeltaBase:
             else:
                 new = _copy(self.tensors[name])
                 idx = wire[wire_name(name, "indices")].detach().to(device="cpu", dtype=torch.int64)
-                new.view(-1)[idx] = wire[wire_name(name, "values")].detach().to("cpu")
+                _scatter(new.view(-1), idx.contiguous(), wire[wire_name(name, "values")].detach().to("cpu"))
                 changed[name] = new
         bad = [
             Mismatch("digest", n, expected=str(e.digest), actual=tensor_digest(changed[n]))
