@@ -7,6 +7,7 @@ bytes sent.
 
 from __future__ import annotations
 
+import asyncio
 import copy
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -106,6 +107,13 @@ def test_inprocess_delta_with_the_wrong_base_refused(inprocess: Any, trainer: Tr
     sd = trainer.step()
     report = hotweights.install(inprocess, sd, weight_version=53, delta=True)
     assert report.delta == "applied"
+    assert greedy_vllm(inprocess) == trainer.hf(sd)
+
+
+def test_inprocess_delta_through_install_async(inprocess: Any, trainer: Trainer) -> None:
+    sd = trainer.step()
+    report = asyncio.run(hotweights.install_async(inprocess, sd, weight_version=60, delta=True))
+    assert report.delta == "applied" and report.bytes_sent < 0.1 * report.num_bytes
     assert greedy_vllm(inprocess) == trainer.hf(sd)
 
 
