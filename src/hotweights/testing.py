@@ -11,26 +11,31 @@ Example:
 
 from __future__ import annotations
 
+import asyncio
 import os
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Coroutine, Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import torch
 
 __all__ = [
     "PROMPTS",
     "Arch",
+    "EventLoopThread",
     "build_tiny_model",
     "greedy_hf",
     "greedy_vllm",
     "save_tiny_model",
+    "start_async_engine",
     "start_engine",
     "stop_engine",
     "tiny_config",
 ]
 
 Arch = Literal["qwen2", "llama"]
+T = TypeVar("T")
 
 #: Block size the helpers start engines with; ``PROMPTS`` has one prompt longer than a block.
 BLOCK_SIZE = 32
@@ -122,6 +127,10 @@ def start_engine(
         # vLLM caches its environment once an engine has started; a later engine must see the new mode.
         getattr(vllm.envs, "disable_envs_cache", lambda: None)()
 
+    return LLM(**_engine_kwargs(path, dtype, overrides))
+
+
+def _engine_kwargs(path: str | os.PathLike[str], dtype: str, overrides: dict[str, Any]) -> dict[str, Any]:
     kwargs: dict[str, Any] = dict(
         model=str(path),
         skip_tokenizer_init=True,
@@ -134,8 +143,53 @@ def start_engine(
         block_size=BLOCK_SIZE,
         enable_prefix_caching=True,
     )
-    kwargs.update(overrides)
-    return LLM(**kwargs)
+    return {**kwargs, **overrides}
+
+
+def start_async_engine(path: str | os.PathLike[str], dtype: str = "float32", **overrides: Any) -> Any:
+    """The ``AsyncLLM`` counterpart of :func:`start_engine` (same settings; always multiprocess).
+
+    Call it on the event loop the engine will run on (e.g. through :meth:`EventLoopThread.run`); stop it with
+    ``engine.shutdown()``.
+    """
+    import vllm.envs
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
+    getattr(vllm.envs, "disable_envs_cache", lambda: None)()
+    return AsyncLLM.from_engine_args(AsyncEngineArgs(**_engine_kwargs(path, dtype, overrides)))
+
+
+class EventLoopThread:
+    """An event loop in a daemon thread, as in an async trainer; :meth:`run` awaits a coroutine on it from the
+    calling thread.
+
+    Example:
+        >>> loop = EventLoopThread()                                          # doctest: +SKIP
+        >>> engine = loop.call(start_async_engine, path)                      # doctest: +SKIP
+    """
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float = 300.0) -> T:
+        """Await ``coro`` on the loop; its result (or exception) within ``timeout`` seconds."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """``fn(*args, **kwargs)`` called on the loop's thread (e.g. to build an ``AsyncLLM`` there)."""
+
+        async def on_loop() -> T:
+            return fn(*args, **kwargs)
+
+        return self.run(on_loop())
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=10)
 
 
 def stop_engine(llm: Any) -> None:

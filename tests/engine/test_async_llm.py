@@ -10,10 +10,9 @@ from __future__ import annotations
 import asyncio
 import itertools
 import os
-import threading
-from collections.abc import Callable, Coroutine, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import pytest
 import torch
@@ -21,56 +20,16 @@ import torch
 import hotweights
 from hotweights import EngineNotSupportedError, InstallError, PartialUpdateError, WeightManifestValidationError
 from hotweights.adapters import weights_path
-from hotweights.testing import BLOCK_SIZE
+from hotweights.testing import EventLoopThread, start_async_engine
 from hotweights.transports.shm import SHM_DIR
 
 from .conftest import PROMPTS, TinyCheckpoint, Variant
 
 pytestmark = pytest.mark.engine
 
-T = TypeVar("T")
 VARIANT = Variant("qwen2", torch.float32, tie=False)
 LONG = PROMPTS[-1]
 _ids = itertools.count()
-
-
-class Loop:
-    """An event loop in a daemon thread; ``run(coro)`` awaits a coroutine on it from the test thread."""
-
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-
-    def run(self, coro: Coroutine[Any, Any, T], timeout: float = 300.0) -> T:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
-
-    def close(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(timeout=10)
-
-
-def _start(path: Path, **overrides: Any) -> Any:
-    import vllm.envs
-    from vllm.engine.arg_utils import AsyncEngineArgs
-    from vllm.v1.engine.async_llm import AsyncLLM
-
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
-    getattr(vllm.envs, "disable_envs_cache", lambda: None)()
-    args = AsyncEngineArgs(
-        model=str(path),
-        skip_tokenizer_init=True,
-        dtype="float32",
-        max_model_len=128,
-        enforce_eager=True,
-        max_num_seqs=4,
-        seed=0,
-        kv_cache_memory_bytes=64 << 20,
-        block_size=BLOCK_SIZE,
-        enable_prefix_caching=True,
-        **overrides,
-    )
-    return AsyncLLM.from_engine_args(args)
 
 
 async def _generate(engine: Any, prompt: Sequence[int], max_tokens: int = 8) -> Any:
@@ -90,7 +49,7 @@ async def greedy(engine: Any, prompts: Sequence[Sequence[int]] = PROMPTS, max_to
 
 
 class Async:
-    def __init__(self, loop: Loop, engine: Any, a: TinyCheckpoint, b: TinyCheckpoint) -> None:
+    def __init__(self, loop: EventLoopThread, engine: Any, a: TinyCheckpoint, b: TinyCheckpoint) -> None:
         self.loop, self.engine, self.a, self.b = loop, engine, a, b
         self.version = 0
 
@@ -111,24 +70,19 @@ def _ours() -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def loop() -> Iterator[Loop]:
-    loop = Loop()
+def loop() -> Iterator[EventLoopThread]:
+    loop = EventLoopThread()
     yield loop
     loop.close()
 
 
 @pytest.fixture(scope="module")
-def plain(loop: Loop, checkpoint: Callable[[Variant, int], TinyCheckpoint]) -> Iterator[Async]:
+def plain(loop: EventLoopThread, checkpoint: Callable[[Variant, int], TinyCheckpoint]) -> Iterator[Async]:
     a, b = checkpoint(VARIANT, 1), checkpoint(VARIANT, 2)
-    engine = loop.run(_async(_start, a.path))
+    engine = loop.call(start_async_engine, a.path)  # built on the loop it will run on
     yield Async(loop, engine, a, b)
     engine.shutdown()
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-
-
-async def _async(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-    """Build the engine on the loop it will run on."""
-    return fn(*args, **kwargs)
 
 
 def test_a_to_b_to_a_without_the_extension(plain: Async) -> None:
@@ -244,9 +198,9 @@ def test_failed_write_resumes_fails_closed_then_heals(plain: Async, monkeypatch:
     assert plain.greedy() == plain.a.hf
 
 
-def test_with_the_worker_extension(loop: Loop, checkpoint: Callable[[Variant, int], TinyCheckpoint]) -> None:
+def test_with_the_worker_extension(loop: EventLoopThread, checkpoint: Callable[[Variant, int], TinyCheckpoint]) -> None:
     a, b = checkpoint(VARIANT, 1), checkpoint(VARIANT, 2)
-    engine = loop.run(_async(_start, a.path, worker_extension_cls=hotweights.WORKER_EXTENSION))
+    engine = loop.call(start_async_engine, a.path, worker_extension_cls=hotweights.WORKER_EXTENSION)
     try:
         ext = Async(loop, engine, a, b)
         report = ext.install(b)

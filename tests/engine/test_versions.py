@@ -6,23 +6,20 @@ from __future__ import annotations
 import asyncio
 import itertools
 import os
-import threading
-from collections.abc import Callable, Coroutine, Iterator
-from pathlib import Path
-from typing import Any, TypeVar
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 import torch
 
 import hotweights
 from hotweights import weight_version_of, weight_versions_of
-from hotweights.testing import BLOCK_SIZE
+from hotweights.testing import EventLoopThread, start_async_engine
 
 from .conftest import PROMPTS, TinyCheckpoint, Variant, start_engine, stop_engine
 
 pytestmark = pytest.mark.engine
 
-T = TypeVar("T")
 VARIANT = Variant("qwen2", torch.float32, tie=False)
 _ids = itertools.count()
 
@@ -53,52 +50,20 @@ def test_llm_outputs_name_the_version_that_produced_them(
         stop_engine(llm)
 
 
-class Loop:
-    """An event loop in a daemon thread; ``run(coro)`` awaits a coroutine on it from the test thread."""
-
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-
-    def run(self, coro: Coroutine[Any, Any, T], timeout: float = 300.0) -> T:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
-
-    def close(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(timeout=10)
-
-
-async def _start_async(path: Path) -> Any:
-    """An ``AsyncLLM`` with hotweights' worker extension, built on the loop it will run on."""
-    import vllm.envs
-    from vllm.engine.arg_utils import AsyncEngineArgs
-    from vllm.v1.engine.async_llm import AsyncLLM
-
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
-    getattr(vllm.envs, "disable_envs_cache", lambda: None)()
-    args = AsyncEngineArgs(
-        model=str(path), skip_tokenizer_init=True, dtype="float32", max_model_len=128, enforce_eager=True,
-        max_num_seqs=4, seed=0, kv_cache_memory_bytes=64 << 20, block_size=BLOCK_SIZE, enable_prefix_caching=True,
-        worker_extension_cls=hotweights.WORKER_EXTENSION,
-    )  # fmt: skip
-    return AsyncLLM.from_engine_args(args)
-
-
 @pytest.fixture(scope="module")
-def loop() -> Iterator[Loop]:
-    loop = Loop()
+def loop() -> Iterator[EventLoopThread]:
+    loop = EventLoopThread()
     yield loop
     loop.close()
 
 
 def test_async_request_in_flight_during_a_keep_install_reports_both_versions(
-    loop: Loop, checkpoint: Callable[[Variant, int], TinyCheckpoint]
+    loop: EventLoopThread, checkpoint: Callable[[Variant, int], TinyCheckpoint]
 ) -> None:
     from vllm import SamplingParams
 
     a, b = checkpoint(VARIANT, 1), checkpoint(VARIANT, 2)
-    engine = loop.run(_start_async(a.path))
+    engine = loop.call(start_async_engine, a.path, worker_extension_cls=hotweights.WORKER_EXTENSION)
     sp = SamplingParams(temperature=0.0, max_tokens=80, ignore_eos=True, detokenize=False)
 
     async def request(started: asyncio.Event | None = None) -> Any:
