@@ -18,6 +18,7 @@ from hotweights import (
     WeightUpdateManifest,
 )
 from hotweights.engine import compat
+from hotweights.engine.worker_ops import reload_checkpoint_tensors
 
 from .conftest import PROMPTS, TinyCheckpoint, Variant, greedy_vllm, start_engine, stop_engine
 
@@ -243,3 +244,27 @@ def test_failure_after_a_partial_write_clears_kv_cache_and_next_install_heals(
     monkeypatch.undo()
     engine.install(engine.b)
     assert greedy_vllm(engine.llm) == engine.b.fresh
+
+
+def test_reload_that_raises_inside_vllm_leaves_a_usable_model(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The tensors stop midway *inside* vLLM's layerwise reload (its layers already on the meta device): the install
+    fails closed, and the next full install (a fresh layerwise reload of every layer) serves B exactly."""
+    engine.install(engine.a)
+
+    def stops_midway(llm: Any, items: Any, timeout: float | None = None) -> None:
+        items = list(items)
+
+        def feed() -> Any:
+            yield from items[: len(items) // 2]
+            raise RuntimeError("the sender died inside the reload")
+
+        llm.collective_rpc(reload_checkpoint_tensors, timeout=timeout, args=(feed(),))
+
+    monkeypatch.setattr(compat, "reload_weights", stops_midway)
+    with pytest.raises(hotweights.InstallError, match="the sender died inside the reload"):
+        engine.install(engine.b)
+    monkeypatch.undo()
+    engine.install(engine.b)
+    assert greedy_vllm(engine.llm) == engine.b.fresh
+    engine.install(engine.a)
+    assert greedy_vllm(engine.llm) == engine.a.fresh
