@@ -334,35 +334,22 @@ def bench_model(name: str, size: str, repeats: int, tmp: Path) -> tuple[list[Row
 def bench_async(name: str, path: Path, pair: tuple[StateDict, StateDict], repeats: int) -> list[Row]:
     """``hotweights.install_async`` into an ``AsyncLLM`` (without, then with the extension), on an event loop in a
     thread as in an async trainer; then one install while a 64-token request is in flight (``pause="wait"``)."""
-    import asyncio
-
     from vllm import SamplingParams
-    from vllm.engine.arg_utils import AsyncEngineArgs
-    from vllm.v1.engine.async_llm import AsyncLLM
 
-    from hotweights.testing import BLOCK_SIZE
+    from hotweights.testing import EventLoopThread, start_async_engine
 
-    loop = asyncio.new_event_loop()
-    threading.Thread(target=loop.run_forever, daemon=True).start()
+    thread = EventLoopThread()
     nbytes = sum(t.nbytes for t in pair[0].values())
     rows: list[Row] = []
 
     def on_loop(coro: Any) -> Any:
-        return asyncio.run_coroutine_threadsafe(coro, loop).result(600)
+        return thread.run(coro, timeout=600)
 
-    async def build(**extra: Any) -> Any:
-        args = AsyncEngineArgs(
-            model=str(path), skip_tokenizer_init=True, dtype="float32", max_model_len=128, enforce_eager=True,
-            max_num_seqs=4, seed=0, kv_cache_memory_bytes=64 << 20, block_size=BLOCK_SIZE, **extra,
-        )  # fmt: skip
-        return AsyncLLM.from_engine_args(args)
-
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
     for label, extra in [
         ("AsyncLLM, install_async, zero-config", {}),
         ("AsyncLLM, install_async, extension (shm)", {"worker_extension_cls": hotweights.WORKER_EXTENSION}),
     ]:
-        engine = on_loop(build(**extra))
+        engine = thread.call(start_async_engine, path, **extra)  # built on the loop it runs on
         version = 0
 
         def step(sd: StateDict, engine: Any = engine) -> float:
@@ -378,7 +365,7 @@ def bench_async(name: str, path: Path, pair: tuple[StateDict, StateDict], repeat
                 in_flight_wait(name, engine, pair[1], version + 1, on_loop, SamplingParams)
         finally:
             engine.shutdown()
-    loop.call_soon_threadsafe(loop.stop)
+    thread.close()
     return rows
 
 

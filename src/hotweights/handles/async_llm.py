@@ -115,11 +115,6 @@ class AsyncLLMHandle(EngineHandle):
     def is_sleeping(self) -> bool:
         return self._sleep.asleep(lambda: bool(self.run(self.engine.is_sleeping(), SHORT_TIMEOUT, "is_sleeping")))
 
-    def clear_kv_cache(self) -> int | None:
-        if self.worker_extension != compat.WORKER_EXTENSION:
-            return None
-        return sum(int(n) for n in self.call("hotweights_clear_kv_cache", timeout=SHORT_TIMEOUT))
-
     def describe(self) -> str:
         return f"AsyncLLM ({self.num_workers} worker(s), pause={self.pause_mode!r})"
 

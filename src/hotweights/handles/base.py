@@ -15,8 +15,12 @@ from typing import Any, ClassVar, Literal
 
 from hotweights.core.gate import WriteGate
 from hotweights.core.manifest import ExpectedWeights
+from hotweights.engine.compat import WORKER_EXTENSION
 
 __all__ = ["EngineHandle", "PauseMode"]
+
+#: Seconds the workers may take to zero their KV cache.
+CLEAR_KV_TIMEOUT = 60.0
 
 PauseMode = Literal["wait", "abort", "keep"]
 """What an engine with a scheduler does with requests in flight while an install writes.
@@ -110,8 +114,10 @@ class EngineHandle(ABC):
 
     def clear_kv_cache(self) -> int | None:
         """Zero the KV cache after a failed write (poisoned blocks survive a prefix-cache reset); the number of
-        tensors zeroed, or None where the cache cannot be reached."""
-        return None
+        tensors zeroed, or None where the cache cannot be reached (only the worker extension reaches it)."""
+        if self.worker_extension != WORKER_EXTENSION:
+            return None
+        return sum(int(n) for n in self.call("hotweights_clear_kv_cache", timeout=CLEAR_KV_TIMEOUT))
 
     def describe(self) -> str:
         """One line for reports and errors."""

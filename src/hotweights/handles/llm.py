@@ -75,9 +75,7 @@ class LLMHandle(EngineHandle):
     def clear_kv_cache(self) -> int | None:
         if self.inprocess:
             return compat.clear_kv_cache_inprocess(self.llm)
-        if self.worker_extension == compat.WORKER_EXTENSION:
-            return sum(int(n) for n in self.call("hotweights_clear_kv_cache", timeout=60.0))
-        return None
+        return super().clear_kv_cache()
 
     def describe(self) -> str:
         mode = "in-process" if self.inprocess else f"multiprocess, {self.num_workers} worker(s)"

@@ -290,11 +290,6 @@ class RemoteHandle(EngineHandle):
             return False
         return bool((answer or {}).get("is_sleeping", False))
 
-    def clear_kv_cache(self) -> int | None:
-        if self._extension != WORKER_EXTENSION:
-            return None
-        return sum(int(n) for n in self.call("hotweights_clear_kv_cache", timeout=SHORT_TIMEOUT))
-
     def describe(self) -> str:
         how = "worker extension" if self._extension else f"weight-transfer backend {self._backend!r}"
         return f"vllm serve at {self.url} ({self._num_workers} worker(s), {how}, pause={self.pause_mode!r})"
