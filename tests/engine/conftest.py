@@ -25,6 +25,7 @@ from hotweights.testing import (
     start_engine,
     stop_engine,
 )
+from hotweights.transports.shm import SHM_DIR
 
 
 @dataclass(frozen=True)
@@ -83,10 +84,16 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[[Variant, i
     return get
 
 
+def our_shm() -> list[str]:
+    """What this test process left in /dev/shm: hotweights segments and private checkpoint directories (other
+    processes may be installing too)."""
+    return sorted(p.name for p in SHM_DIR.glob(f"hotweights-{os.getpid()}-*"))
+
+
 @pytest.fixture(scope="module")
 def versions() -> Iterator[int]:
     """Monotonic weight versions for one module's engine."""
     return itertools.count(1)
 
 
-__all__ = ["PROMPTS", "TinyCheckpoint", "Variant", "greedy_vllm", "start_engine", "stop_engine"]
+__all__ = ["PROMPTS", "TinyCheckpoint", "Variant", "greedy_vllm", "our_shm", "start_engine", "stop_engine"]

@@ -22,19 +22,13 @@ from hotweights import (
     WeightManifestValidationError,
 )
 from hotweights.adapters import weights_path
-from hotweights.transports.shm import SHM_DIR
 
-from .conftest import PROMPTS, TinyCheckpoint, Variant, greedy_vllm, start_engine, stop_engine
+from .conftest import PROMPTS, TinyCheckpoint, Variant, greedy_vllm, our_shm, start_engine, stop_engine
 
 pytestmark = pytest.mark.engine
 
 VARIANT = Variant("qwen2", torch.float32, tie=False)
 LONG = PROMPTS[-1]  # longer than a KV block
-
-
-def _ours() -> list[str]:
-    """What this test process left in /dev/shm (segments and private checkpoint directories)."""
-    return sorted(p.name for p in Path(SHM_DIR).glob(f"hotweights-{os.getpid()}-*"))
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +51,7 @@ def test_plain_multiprocess_llm_a_to_b_to_a(plain: tuple[Any, TinyCheckpoint, Ti
     assert greedy_vllm(llm) == b.fresh == b.hf
     hotweights.install(llm, a.state_dict(), weight_version=2)
     assert greedy_vllm(llm) == a.fresh == a.hf
-    assert _ours() == []
+    assert our_shm() == []
 
 
 def test_plain_llm_bad_update_writes_nothing(plain: tuple[Any, TinyCheckpoint, TinyCheckpoint]) -> None:
@@ -73,7 +67,7 @@ def test_plain_llm_bad_update_writes_nothing(plain: tuple[Any, TinyCheckpoint, T
     assert {m.kind for m in info.value.mismatches} == {"shape", "dtype"}
     assert greedy_vllm(llm) == before
     assert llm.llm_engine.get_weight_version() == str(version)
-    assert _ours() == []
+    assert our_shm() == []
 
 
 def test_options_that_need_the_extension_name_it(plain: tuple[Any, TinyCheckpoint, TinyCheckpoint]) -> None:
@@ -101,14 +95,14 @@ def test_failed_reload_fails_closed_then_heals(
     monkeypatch.setattr(weights_path, "save_file", garbage)
     with pytest.raises(InstallError, match="failed while writing"):
         hotweights.install(llm, b.state_dict(), weight_version=version + 1)
-    assert _ours() == []
+    assert our_shm() == []
     with pytest.raises(PartialUpdateError):
         greedy_vllm(llm)
     assert llm.llm_engine.get_weight_version() == str(version)
     monkeypatch.undo()
     hotweights.install(llm, b.state_dict(), weight_version=version + 1)
     assert greedy_vllm(llm) == b.fresh
-    assert _ours() == []
+    assert our_shm() == []
 
 
 def test_sleeping_engine_is_never_written(plain: tuple[Any, TinyCheckpoint, TinyCheckpoint]) -> None:

@@ -21,9 +21,8 @@ import hotweights
 from hotweights import EngineNotSupportedError, InstallError, PartialUpdateError, WeightManifestValidationError
 from hotweights.adapters import weights_path
 from hotweights.testing import EventLoopThread, start_async_engine
-from hotweights.transports.shm import SHM_DIR
 
-from .conftest import PROMPTS, TinyCheckpoint, Variant
+from .conftest import PROMPTS, TinyCheckpoint, Variant, our_shm
 
 pytestmark = pytest.mark.engine
 
@@ -65,10 +64,6 @@ class Async:
         return str(self.loop.run(self.engine.get_weight_version()))
 
 
-def _ours() -> list[str]:
-    return sorted(p.name for p in Path(SHM_DIR).glob(f"hotweights-{os.getpid()}-*"))
-
-
 @pytest.fixture(scope="module")
 def loop() -> Iterator[EventLoopThread]:
     loop = EventLoopThread()
@@ -93,7 +88,7 @@ def test_a_to_b_to_a_without_the_extension(plain: Async) -> None:
     assert plain.greedy() == plain.b.hf
     plain.install(plain.a)
     assert plain.greedy() == plain.a.hf
-    assert _ours() == []
+    assert our_shm() == []
 
 
 def test_sync_install_says_to_await_install_async(plain: Async) -> None:
@@ -192,7 +187,7 @@ def test_failed_write_resumes_fails_closed_then_heals(plain: Async, monkeypatch:
     assert plain.loop.run(plain.engine.is_paused()) is False  # resumed, also on failure
     with pytest.raises(PartialUpdateError):
         plain.greedy()
-    assert _ours() == []
+    assert our_shm() == []
     monkeypatch.undo()
     plain.install(plain.a)
     assert plain.greedy() == plain.a.hf
@@ -209,6 +204,6 @@ def test_with_the_worker_extension(loop: EventLoopThread, checkpoint: Callable[[
         assert ext.engine_version() == "1"
         ext.install(a)
         assert ext.greedy() == a.hf
-        assert _ours() == []
+        assert our_shm() == []
     finally:
         engine.shutdown()

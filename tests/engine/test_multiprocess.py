@@ -32,7 +32,7 @@ from hotweights.core.buckets import Bucket, plan_buckets
 from hotweights.transports import EngineLink, Stage, make_transport
 from hotweights.transports.shm import SHM_DIR, sweep_stale
 
-from .conftest import TinyCheckpoint, Variant, greedy_vllm, start_engine, stop_engine
+from .conftest import TinyCheckpoint, Variant, greedy_vllm, our_shm, start_engine, stop_engine
 
 pytestmark = pytest.mark.engine
 
@@ -40,11 +40,6 @@ VARIANT = Variant("qwen2", torch.float32, tie=False)
 TRANSPORTS = ["shm", "bytes", "collective"]
 # q (64 KiB), k and v (32 KiB each) of one layer land in three different buckets.
 SMALL_BUCKET = 40_000
-
-
-def _our_segments() -> list[str]:
-    """Segments this test process created and left behind (other processes may be installing too)."""
-    return sorted(p.name for p in Path(SHM_DIR).glob(f"hotweights-{os.getpid()}-*"))
 
 
 class Engine:
@@ -94,7 +89,7 @@ def test_a_to_b_to_a_with_split_buckets(engine: Engine, transport: str) -> None:
     assert greedy_vllm(engine.llm) == engine.a.fresh
     engine.install(engine.b, transport)
     assert greedy_vllm(engine.llm) == engine.b.fresh
-    assert _our_segments() == []
+    assert our_shm() == []
 
 
 class CountingTransport(WeightTransport):
@@ -153,7 +148,7 @@ def test_interrupted_session_keeps_previous_weights(engine: Engine, transport: s
     assert adapter.active_weight_version == version
     assert engine.llm.llm_engine.get_weight_version() == str(version)
     assert greedy_vllm(engine.llm) == engine.a.fresh
-    assert _our_segments() == []
+    assert our_shm() == []
     engine.install(engine.b, transport)  # the next install succeeds
     assert greedy_vllm(engine.llm) == engine.b.fresh
 
@@ -395,7 +390,7 @@ def test_streaming_a_to_b_to_a(engine: Engine, transport: str, method: str, buck
         assert engine.llm.llm_engine.get_weight_version() == str(report.weight_version)
         assert greedy_vllm(engine.llm) == ckpt.fresh
     assert engine.b.fresh == engine.b.hf
-    assert _our_segments() == []
+    assert our_shm() == []
 
 
 def test_streaming_buckets_end_between_layers(engine: Engine) -> None:
@@ -421,7 +416,7 @@ def test_streaming_interrupted_is_reported_and_a_full_install_recovers(engine: E
     assert "Install a full update again" in str(info.value)
     assert adapter.active_weight_version == version
     assert engine.llm.llm_engine.get_weight_version() == str(version)
-    assert _our_segments() == []
+    assert our_shm() == []
     # Fail closed: no generation on a mix of old and new layers until a full install (or an explicit reopen).
     with pytest.raises(PartialUpdateError, match="failed while writing"):
         greedy_vllm(engine.llm)
@@ -462,7 +457,7 @@ def test_kept_shm_segments_are_reused_and_released(engine: Engine) -> None:
             sd = ckpt.state_dict()
             adapter.install(WeightUpdateManifest.from_state_dict(sd, weight_version=engine.version()), sd)
             assert greedy_vllm(engine.llm) == ckpt.fresh
-            assert _our_segments() == []  # mapped on both sides, no file left
+            assert our_shm() == []  # mapped on both sides, no file left
         kept = len(plan_buckets(WeightUpdateManifest.from_state_dict(sd, weight_version=1), SMALL_BUCKET))
         assert len(transport._kept) == kept  # type: ignore[attr-defined]
     finally:
@@ -485,7 +480,7 @@ def test_streaming_direct_carries_every_bucket_in_one_kept_segment(engine: Engin
             adapter.install(WeightUpdateManifest.from_state_dict(sd, weight_version=engine.version()), sd)
             assert greedy_vllm(engine.llm) == ckpt.fresh
         assert len(transport._kept) == 1  # type: ignore[attr-defined]
-        assert _our_segments() == []
+        assert our_shm() == []
     finally:
         adapter.close()
     assert engine.llm.collective_rpc("hotweights_release_segments") == [0]

@@ -14,8 +14,8 @@ from hotweights import InstallError, VLLMWeightTransferAdapter, WeightUpdateMani
 from hotweights.core.buckets import plan_buckets
 from hotweights.transports import make_transport
 
-from .conftest import TinyCheckpoint, Variant, greedy_vllm, start_engine, stop_engine
-from .test_multiprocess import SMALL_BUCKET, CountingTransport, _our_segments
+from .conftest import TinyCheckpoint, Variant, greedy_vllm, our_shm, start_engine, stop_engine
+from .test_multiprocess import SMALL_BUCKET, CountingTransport
 
 pytestmark = pytest.mark.engine
 
@@ -66,7 +66,7 @@ def test_raw_native_flow(native: Native) -> None:
         llm.collective_rpc("finish_weight_update")
         llm.reset_prefix_cache()
         assert greedy_vllm(llm) == ckpt.fresh
-    assert _our_segments() == []
+    assert our_shm() == []
 
 
 @pytest.mark.parametrize("transport", ["shm", "bytes", "collective"])

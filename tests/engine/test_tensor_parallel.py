@@ -15,7 +15,7 @@ from hotweights import VLLMMultiprocessAdapter, VLLMWeightsPathAdapter, WeightIn
 from hotweights.transports import make_transport
 from hotweights.transports.shm import SHM_DIR
 
-from .conftest import TinyCheckpoint, Variant, greedy_vllm, start_engine, stop_engine
+from .conftest import TinyCheckpoint, Variant, greedy_vllm, our_shm, start_engine, stop_engine
 
 pytestmark = pytest.mark.engine
 
@@ -89,7 +89,7 @@ def test_a_to_b_to_a(tp: TP, path: str) -> None:
         assert tp.llm.llm_engine.get_weight_version() == str(tp.version)
     finally:
         adapter.close()
-    assert sorted(p.name for p in Path(SHM_DIR).glob(f"hotweights-{os.getpid()}-*")) == []
+    assert our_shm() == []
 
 
 def test_one_call_install(tp: TP) -> None:

@@ -19,7 +19,7 @@ from safetensors.torch import save_file
 
 import hotweights
 from hotweights.handles.remote import RemoteHandle
-from hotweights.testing import PROMPTS, build_tiny_model, greedy_hf, save_tiny_model
+from hotweights.testing import PROMPTS
 from hotweights.transports import shm
 from tests.remote.server import Server, start_server
 
@@ -33,13 +33,6 @@ def next_version(engine: RemoteHandle) -> int:
     """One more than the server's version (vLLM starts at "default")."""
     version = engine.get_weight_version()
     return int(version) + 1 if version and version.isdigit() else 1
-
-
-@pytest.fixture(scope="module")
-def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    a, b = build_tiny_model("qwen2", 0), build_tiny_model("qwen2", 1)
-    path = save_tiny_model(a, tmp_path_factory.mktemp("remote-A"))
-    return {"A": a, "B": b, "path": path, "hf": {"A": greedy_hf(a), "B": greedy_hf(b)}}
 
 
 @pytest.fixture(scope="module")

@@ -11,17 +11,10 @@ import pytest
 import hotweights
 from hotweights.engine.vllm_plugin import BACKEND
 from hotweights.handles.remote import RemoteHandle
-from hotweights.testing import PROMPTS, build_tiny_model, greedy_hf, save_tiny_model
+from hotweights.testing import PROMPTS
 from tests.remote.server import Server, start_server
 
 pytestmark = pytest.mark.engine
-
-
-@pytest.fixture(scope="module")
-def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    a, b = build_tiny_model("qwen2", 0), build_tiny_model("qwen2", 1)
-    path = save_tiny_model(a, tmp_path_factory.mktemp("remote-backend-A"))
-    return {"A": a, "B": b, "path": path, "hf": {"A": greedy_hf(a), "B": greedy_hf(b)}}
 
 
 @pytest.fixture(scope="module")
