@@ -262,6 +262,31 @@ class TestShm:
         assert not set(paths) & shm._LIVE
         _assert_same(received, tensors)  # the mappings outlived the files
 
+    @pytest.mark.parametrize("how", ["gathered", "short writes", "copied"])
+    def test_every_way_of_writing_a_bucket_gives_the_same_bytes(self, how: str, monkeypatch: Any) -> None:
+        tensors = _tensors()
+        if how == "copied":  # a non-contiguous tensor: the bucket is copied into a mapping instead of gathered
+            tensors["layer.0.w"] = tensors["layer.0.w"].t()
+        if how == "short writes":  # 2 views per call, and each call writes at most 100 bytes
+            monkeypatch.setattr(shm, "_IOV_MAX", 2)
+            real = os.pwritev
+
+            def short(fd: int, views: list[memoryview], off: int) -> int:
+                joined = b"".join(bytes(v) for v in views)[:100]
+                return real(fd, [memoryview(joined)], off)
+
+            monkeypatch.setattr(shm.os, "pwritev", short)
+        m = _manifest(tensors)
+        (bucket,) = plan_buckets(m, bucket_bytes=1 << 20)
+        received: dict[str, torch.Tensor] = {}
+
+        def stage(descriptor: dict[str, Any]) -> None:
+            buffer, _ = shm.open_bucket(descriptor)
+            received.update((n, t.clone()) for n, t in unpack(buffer, bucket, m))
+
+        shm.Transport().send(bucket, tensors, stage)
+        _assert_same(received, tensors)
+
     def test_descriptor_is_plain_data(self) -> None:
         tensors = {"w": torch.ones(4)}
         bucket = plan_buckets(_manifest(tensors), bucket_bytes=1024)[0]

@@ -7,7 +7,7 @@ alone, so both ends agree on it and the engine can check every offset against th
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
@@ -19,6 +19,7 @@ __all__ = [
     "Bucket",
     "BucketEntry",
     "bucket_problems",
+    "byte_views",
     "default_bucket_bytes",
     "layer_key",
     "pack_into",
@@ -149,6 +150,27 @@ def pack_into(buffer: torch.Tensor, bucket: Bucket, tensors: dict[str, torch.Ten
         dst.copy_(src)
 
 
+_PADDING = memoryview(bytes(ALIGNMENT))
+
+
+def byte_views(bucket: Bucket, tensors: Mapping[str, torch.Tensor]) -> list[memoryview] | None:
+    """The bucket's bytes as consecutive views of the tensors' own memory (and zero padding between them), to be
+    written with one gathering call (``os.pwritev``) instead of copied tensor by tensor; None when a tensor is not
+    a contiguous CPU tensor (then :func:`pack_into` copies it, from any device)."""
+    views: list[memoryview] = []
+    used = 0
+    for e in bucket.entries:
+        src = tensors[e.name]
+        if src.device.type != "cpu" or not src.is_contiguous() or src.nbytes != e.nbytes:
+            return None
+        if e.offset > used:
+            views.append(_PADDING[: e.offset - used])
+        if e.nbytes:
+            views.append(memoryview(src.detach().reshape(-1).view(torch.uint8).numpy()))  # type: ignore[arg-type]
+        used = e.offset + e.nbytes
+    return views
+
+
 def bucket_problems(bucket: Bucket, manifest: WeightUpdateManifest, size: int) -> list[str]:
     """Every way ``bucket`` (received into ``size`` bytes) disagrees with the manifest; empty when it fits.
 
@@ -182,13 +204,19 @@ def bucket_problems(bucket: Bucket, manifest: WeightUpdateManifest, size: int) -
     return problems
 
 
-def unpack(buffer: torch.Tensor, bucket: Bucket, manifest: WeightUpdateManifest) -> Iterator[tuple[str, torch.Tensor]]:
+def unpack(
+    buffer: torch.Tensor, bucket: Bucket, manifest: WeightUpdateManifest, *, checked: bool = False
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Views of each tensor of ``bucket`` inside ``buffer`` (no copy), typed and shaped by the manifest.
+
+    ``checked``: the caller already found no :func:`bucket_problems` for this bucket at ``buffer``'s size (only
+    the size is checked again).
 
     Raises:
         ValueError: :func:`bucket_problems` found any (all named), before the first view is made.
     """
-    problems = bucket_problems(bucket, manifest, buffer.numel())
+    fits = checked and buffer.numel() == bucket.nbytes
+    problems = [] if fits else bucket_problems(bucket, manifest, buffer.numel())
     if problems:
         raise ValueError(f"bucket {bucket.index} does not match the manifest: " + "; ".join(problems))
     for e in bucket.entries:

@@ -164,6 +164,22 @@ def plan_direct(
         WeightManifestValidationError: a name has no parameter, a placement does not fit the parameter, or a
             fused parameter would receive only some of its parts.
     """
+    key = (tuple((n, s.shape, s.dtype) for n, s in specs.items()), tuple(sorted((ignored or {}).items())))
+    last = _LAST_PLAN.get("plan")
+    if last is not None and last[0] is slots and last[1] == key:
+        return last[2]  # the same tensors as the previous install into this model: the same copies
+    plan = _plan(slots, specs, ignored)
+    _LAST_PLAN["plan"] = (slots, key, plan)
+    return plan
+
+
+#: The last plan made, with the slots and update signature it was made for (every RL step sends the same tensors).
+_LAST_PLAN: dict[str, tuple[Mapping[str, ParamSlot], tuple[Any, ...], DirectPlan]] = {}
+
+
+def _plan(
+    slots: Mapping[str, ParamSlot], specs: Mapping[str, TensorSpec], ignored: Mapping[str, str] | None
+) -> DirectPlan:
     plan, problems = DirectPlan(skipped=dict(ignored or {})), []
     covered: dict[str, set[str | int | None]] = {}
     for name, spec in specs.items():
@@ -224,10 +240,9 @@ def apply_direct(
     """
     rebuilt: dict[str, torch.Tensor] = {}
     touched: dict[str, torch.nn.Module] = {}
+    modules = _modules(model)
     for p, slot in plan.placements:
-        module = touched.get(slot.module_name)
-        if module is None:
-            module = model.get_submodule(slot.module_name)
+        module = modules.get(slot.module_name) or model.get_submodule(slot.module_name)
         param = getattr(module, slot.attr)
         key = f"{slot.module_name}.{slot.attr}"
         if param.numel() == 0 and slot.rank_shape and 0 not in slot.rank_shape:
@@ -248,6 +263,17 @@ def apply_direct(
         module.quant_method.process_weights_after_loading(module)
         reprocessed += 1
     return reprocessed + (refresh_tied_layers(model) if refresh_tied else 0)
+
+
+_MODULES: WeakKeyDictionary[torch.nn.Module, dict[str, torch.nn.Module]] = WeakKeyDictionary()
+
+
+def _modules(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    """Name -> submodule of ``model``, computed once (an install replaces parameters, never modules)."""
+    modules = _MODULES.get(model)
+    if modules is None:
+        modules = _MODULES[model] = dict(model.named_modules())
+    return modules
 
 
 def _needs_reprocessing(modules: Iterable[torch.nn.Module]) -> list[Any]:
@@ -375,8 +401,9 @@ def verify_readback(
     """
     unreadable: set[str] = set()
     bad: set[str] = set()
+    modules = _modules(model)
     for p, slot in plan.placements:
-        param = getattr(model.get_submodule(slot.module_name), slot.attr)
+        param = getattr(modules.get(slot.module_name) or model.get_submodule(slot.module_name), slot.attr)
         if param.numel() == 0:
             unreadable.add(p.checkpoint_name)
             continue

@@ -99,7 +99,7 @@ class StagingArea:
         except (KeyError, TypeError, AttributeError, OverflowError) as exc:
             name = descriptor.get("transport")
             raise ValueError(f"malformed {name!r} descriptor: {type(exc).__name__}: {exc}") from None
-        tensors = dict(unpack(buffer, bucket, session.manifest))
+        tensors = dict(unpack(buffer, bucket, session.manifest, checked=True))
         bad = session.manifest.digest_mismatches(tensors)
         if bad:
             raise ValueError(

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from hotweights.core.buckets import Bucket, pack_into
+from hotweights.core.buckets import Bucket, byte_views, pack_into
 from hotweights.transports.base import Descriptor, EngineLink, Stage, WeightTransport
 
 __all__ = ["SHM_DIR", "Transport", "open_bucket", "release_segments", "sweep_stale"]
@@ -69,21 +69,53 @@ def sweep_stale(directory: Path = SHM_DIR, min_age: float = 0.0) -> list[Path]:
     return removed
 
 
-def _new_segment(size: int) -> tuple[str, Path, mmap.mmap]:
-    """A new private file of ``size`` bytes in ``SHM_DIR`` (removed at exit unless :func:`_remove` ran), mapped
-    here: its id, path and mapping."""
+def _new_file(size: int) -> tuple[str, Path, int]:
+    """A new private file of ``size`` bytes in ``SHM_DIR`` (removed at exit unless :func:`_remove` ran): its id,
+    path and an open descriptor."""
     sid = uuid.uuid4().hex
     path = SHM_DIR / f"{_PREFIX}{os.getpid()}-{sid}"
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)  # private to this user
     _LIVE.add(path)
     try:
         os.ftruncate(fd, size)
+    except BaseException:
+        os.close(fd)
+        _remove(path)
+        raise
+    return sid, path, fd
+
+
+def _new_segment(size: int) -> tuple[str, Path, mmap.mmap]:
+    """:func:`_new_file`, mapped here: its id, path and mapping."""
+    sid, path, fd = _new_file(size)
+    try:
         return sid, path, mmap.mmap(fd, size)
     except BaseException:
         _remove(path)
         raise
     finally:
         os.close(fd)
+
+
+_IOV_MAX = os.sysconf("SC_IOV_MAX") if "SC_IOV_MAX" in os.sysconf_names else 1024
+
+
+def _write(fd: int, views: list[memoryview]) -> None:
+    """Write ``views`` back to back from offset 0, gathering up to ``IOV_MAX`` of them per system call.
+
+    Measured on the 291-tensor model (15 MB): 10 ms, against 20 ms for mapping the new file and copying each tensor
+    into it (the copies fault in every fresh page one by one; the kernel fills them in bulk here).
+    """
+    offset = 0
+    for i in range(0, len(views), _IOV_MAX):
+        chunk = views[i : i + _IOV_MAX]
+        done = os.pwritev(fd, chunk, offset)
+        for view in chunk:  # a short write (tmpfs does not make them, but the call may): the rest one by one
+            n = min(done, view.nbytes)
+            done -= n
+            while n < view.nbytes:
+                n += os.pwrite(fd, view[n:], offset + n)
+            offset += view.nbytes
 
 
 def _remove(path: Path) -> None:
@@ -151,12 +183,20 @@ class Transport(WeightTransport):
         if self.keep_segments:
             self._send_kept(bucket, tensors, stage)
             return
-        _, path, mm = _new_segment(max(bucket.nbytes, 1))
+        _, path, fd = _new_file(max(bucket.nbytes, 1))
         try:
-            with mm:
-                buffer = torch.frombuffer(mm, dtype=torch.uint8)
-                pack_into(buffer, bucket, dict(tensors))
-                del buffer
+            try:
+                views = byte_views(bucket, tensors)
+                if views is not None:
+                    _write(fd, views)
+                    del views
+                else:  # a GPU or non-contiguous tensor: copied into a mapping of the file
+                    with mmap.mmap(fd, max(bucket.nbytes, 1)) as mm:
+                        buffer = torch.frombuffer(mm, dtype=torch.uint8)
+                        pack_into(buffer, bucket, dict(tensors))
+                        del buffer
+            finally:
+                os.close(fd)
             stage({"transport": self.name, "path": str(path), "nbytes": bucket.nbytes})
         finally:
             _remove(path)
