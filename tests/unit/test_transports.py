@@ -253,7 +253,7 @@ class TestShm:
             keep.append(keepalive)
             received.update(unpack(buffer, bucket, m))  # views into the mapping, read after the unlink
 
-        with shm.Transport() as transport:
+        with shm.Transport(keep_segments=False) as transport:  # a fresh file per bucket, none reused
             for bucket in plan:
                 transport.send(bucket, tensors, stage)
                 assert not paths[-1].exists()
@@ -286,6 +286,66 @@ class TestShm:
 
         shm.Transport().send(bucket, tensors, stage)
         _assert_same(received, tensors)
+
+    def test_small_buckets_reuse_their_files_within_the_budget(self, monkeypatch: Any) -> None:
+        first, second = _tensors(), {n: t + 1 if t.is_floating_point() else t for n, t in _tensors().items()}
+        m = _manifest(first)
+        plan = plan_buckets(m, bucket_bytes=300)
+        assert len(plan) >= 3
+        budget = plan[0].nbytes + plan[1].nbytes  # room for the first two buckets' files, not the third's
+        monkeypatch.setattr(shm, "REUSE_BUDGET", budget)
+
+        def install(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], list[Path]]:
+            received: dict[str, torch.Tensor] = {}
+            paths: list[Path] = []
+
+            def stage(descriptor: dict[str, Any]) -> None:
+                paths.append(Path(descriptor["path"]))
+                buffer, _ = shm.open_bucket(descriptor)
+                bucket = plan[len(paths) - 1]
+                received.update((n, t.clone()) for n, t in unpack(buffer, bucket, m))
+
+            for bucket in plan:
+                transport.send(bucket, tensors, stage)
+            return received, paths
+
+        transport = shm.Transport()
+        got, paths = install(first)
+        _assert_same(got, first)
+        kept = [p for p in paths if p.exists()]
+        assert kept == paths[:2]  # the first buckets, within the budget
+        assert sum(p.stat().st_size for p in kept) == budget
+        assert all(stat.S_IMODE(p.stat().st_mode) == 0o600 for p in kept)
+        got, again = install(second)
+        _assert_same(got, second)  # rewritten in place with the new values
+        assert again[: len(kept)] == kept and not set(again[len(kept) :]) & set(paths)
+        transport.close()
+        assert _own_segments() == []
+
+    def test_reused_files_go_with_a_failed_stage_and_with_the_transport(self) -> None:
+        tensors = _tensors()
+        (bucket,) = plan_buckets(_manifest(tensors), bucket_bytes=1 << 20)
+        transport = shm.Transport()
+        transport.send(bucket, tensors, lambda d: None)
+        assert len(_own_segments()) == 1
+
+        def boom(descriptor: dict[str, Any]) -> None:
+            raise RuntimeError("worker died")
+
+        with pytest.raises(RuntimeError):
+            transport.send(bucket, tensors, boom)
+        assert _own_segments() == []  # the worker may have been reading it: not reused
+        transport.send(bucket, tensors, lambda d: None)
+        assert len(_own_segments()) == 1
+        del transport  # garbage-collected: its files go too
+        import gc
+
+        gc.collect()
+        assert _own_segments() == []
+
+    def test_no_reuse_where_shared_memory_is_small(self, monkeypatch: Any) -> None:
+        monkeypatch.setattr(shm, "SHM_DIR", Path("/nonexistent"))
+        assert shm._reuse_budget() == 0
 
     def test_descriptor_is_plain_data(self) -> None:
         tensors = {"w": torch.ones(4)}

@@ -51,12 +51,39 @@ class ParamSlot:
 
 
 @dataclass
+class _ParamCopies:
+    """The copies into one parameter: ``(checkpoint name, whether it may cover the whole parameter, (dim,
+    dst_start, src_start, length))``."""
+
+    module_name: str
+    attr: str
+    rank_shape: tuple[int, ...]
+    copies: list[tuple[str, bool, tuple[int, int, int, int]]]
+
+
+@dataclass
 class DirectPlan:
     """Every copy of an update, computed before any is made."""
 
     placements: list[tuple[Placement, ParamSlot]] = field(default_factory=list)
     skipped: dict[str, str] = field(default_factory=dict)
     nbytes: int = 0
+    _groups: list[_ParamCopies] | None = field(default=None, repr=False, compare=False)
+
+    def by_param(self) -> list[_ParamCopies]:
+        """The placements grouped by destination parameter, in plan order (computed once: a plan is reused)."""
+        if self._groups is None:
+            groups: dict[tuple[str, str], _ParamCopies] = {}
+            for p, slot in self.placements:
+                key = (slot.module_name, slot.attr)
+                group = groups.get(key)
+                if group is None:
+                    group = groups[key] = _ParamCopies(slot.module_name, slot.attr, slot.rank_shape, [])
+                shape = slot.rank_shape
+                covers = p.src_start == 0 == p.dst_start and bool(shape) and p.length == shape[p.dim]
+                group.copies.append((p.checkpoint_name, covers, (p.dim, p.dst_start, p.src_start, p.length)))
+            self._groups = list(groups.values())
+        return self._groups
 
     def describe(self) -> list[str]:
         """One line per copy: checkpoint tensor -> parameter[slice]."""
@@ -238,28 +265,25 @@ def apply_direct(
 
     Returns the number of layers re-processed.
     """
-    rebuilt: dict[str, torch.Tensor] = {}
-    touched: dict[str, torch.nn.Module] = {}
+    touched: list[torch.nn.Module] = []
     modules = _modules(model)
-    for p, slot in plan.placements:
-        module = modules.get(slot.module_name) or model.get_submodule(slot.module_name)
-        param = getattr(module, slot.attr)
-        key = f"{slot.module_name}.{slot.attr}"
-        if param.numel() == 0 and slot.rank_shape and 0 not in slot.rank_shape:
-            dst = rebuilt.setdefault(key, torch.empty(slot.rank_shape, dtype=param.dtype, device=param.device))
-        else:
-            dst = param.data
-        src = tensors[p.checkpoint_name]
-        if src.dim() == 0:
-            dst.copy_(src)
-        else:
-            dst.narrow(p.dim, p.dst_start, p.length).copy_(src.narrow(p.dim, p.src_start, p.length))
-        touched[slot.module_name] = module
-    for key, weight in rebuilt.items():
-        module_name, _, attr = key.rpartition(".")
-        setattr(touched[module_name], attr, torch.nn.Parameter(weight, requires_grad=False))
+    for group in plan.by_param():
+        module = modules.get(group.module_name) or model.get_submodule(group.module_name)
+        param = getattr(module, group.attr)
+        shape = group.rank_shape
+        rebuild = param.numel() == 0 and bool(shape) and 0 not in shape  # packed by vLLM on CPU: a full weight anew
+        dst = torch.empty(shape, dtype=param.dtype, device=param.device) if rebuild else param.data
+        for name, covers, (dim, dst_start, src_start, length) in group.copies:
+            src = tensors[name]
+            if src.dim() == 0 or (covers and src.shape == dst.shape):
+                dst.copy_(src)
+            else:
+                dst.narrow(dim, dst_start, length).copy_(src.narrow(dim, src_start, length))
+        if rebuild:
+            setattr(module, group.attr, torch.nn.Parameter(dst, requires_grad=False))
+        touched.append(module)
     reprocessed = 0
-    for module in _needs_reprocessing(touched.values()):
+    for module in _needs_reprocessing(dict.fromkeys(touched)):
         module.quant_method.process_weights_after_loading(module)
         reprocessed += 1
     return reprocessed + (refresh_tied_layers(model) if refresh_tied else 0)
