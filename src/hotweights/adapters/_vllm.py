@@ -132,9 +132,11 @@ class VLLMTransportAdapter(VLLMEngineAdapter):
         stage: Callable[[Bucket, Descriptor], None],
         *,
         whole_layers: bool = False,
+        plan: list[Bucket] | None = None,
     ) -> None:
-        """Every bucket of ``manifest`` through the transport; ``stage(bucket, descriptor)`` hands one over."""
-        plan = plan_buckets(manifest, self.bucket_size, whole_layers=whole_layers)
+        """Every bucket of ``manifest`` (cut as ``plan``, by default by :func:`plan_buckets`) through the transport;
+        ``stage(bucket, descriptor)`` hands one over."""
+        plan = plan if plan is not None else plan_buckets(manifest, self.bucket_size, whole_layers=whole_layers)
         with timer("transfer"), bucket_progress(plan, f"{self.label} v{manifest.weight_version}") as buckets:
             for bucket in buckets:
 

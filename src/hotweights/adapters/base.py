@@ -192,6 +192,11 @@ class WeightInstallAdapter(ABC):
                 self._writing.enter_context(self.gate.installing(self.lock_timeout))
         self._may_have_written = True
 
+    def _untouched(self) -> None:
+        """The engine confirmed that nothing was written after :meth:`_begin_writing` (it refused the update
+        first): a failure now needs no recovery."""
+        self._may_have_written = False
+
     def _commit(
         self,
         manifest: WeightUpdateManifest,

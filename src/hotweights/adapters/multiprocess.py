@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import contextlib
+import time
 from typing import Any, cast
+
+import torch
 
 from hotweights.adapters._vllm import VLLMTransportAdapter
 from hotweights.adapters.base import Items, PrefixCachePolicy
-from hotweights.core.buckets import Bucket
+from hotweights.core.buckets import Bucket, plan_buckets
 from hotweights.core.delta import EncodedDelta, StagedDelta
 from hotweights.core.errors import (
     DeltaBaseMismatchError,
@@ -193,6 +196,35 @@ class VLLMMultiprocessAdapter(VLLMTransportAdapter):
         )
         return {"digests_verified": min(int(s.get("digests_verified", 0)) for s in summaries)}
 
+    def _install_in_one_call(
+        self, sent: WeightUpdateManifest, tensors: dict[str, torch.Tensor], bucket: Bucket, timer: PhaseTimer
+    ) -> list[dict[str, Any]]:
+        """An atomic update that fits in one bucket, into an engine with one worker: the worker begins, stages and
+        installs it in one RPC (``hotweights_install``) once the trainer has written it, saving two round trips
+        (about 2 ms; a remote engine saves two HTTP requests). The ``transfer`` phase is the trainer's write."""
+        summaries: list[dict[str, Any]] = []
+        start = time.perf_counter()
+
+        def deliver(descriptor: Descriptor) -> None:
+            timer.add("transfer", time.perf_counter() - start)
+            self._begin_writing(timer)  # the gate is held before the worker may write
+            with timer("install"):
+                summaries[:] = self.call(
+                    "hotweights_install",
+                    sent.to_json(),
+                    bucket.model_dump_json(),
+                    descriptor,
+                    self.install_method,
+                    self._verify_now,
+                )
+
+        self.transport.send(bucket, tensors, deliver)
+        refused = [str(s["refused"]) for s in summaries if "refused" in s]
+        if refused:
+            self._untouched()  # the worker refused it before installing: nothing to recover
+            raise RuntimeError(refused[0])
+        return summaries
+
     def _install(self, manifest: WeightUpdateManifest, items: Items, timer: PhaseTimer) -> dict[str, int]:
         if self._verify_now and self.commit == "streaming":
             raise ValueError("verify=True needs commit='atomic': a streaming install keeps no copy of what it wrote")
@@ -207,13 +239,19 @@ class VLLMMultiprocessAdapter(VLLMTransportAdapter):
 
         if self._delta_tracking:  # delta installs were asked for: the workers keep a copy of what this installs
             self.call("hotweights_delta_track", True)
-        with timer("begin"):  # a streaming direct install is planned here: refused before anything moves
-            self.call("hotweights_begin", sent.to_json(), self.commit, self.install_method)
+        plan = plan_buckets(sent, self.bucket_size, whole_layers=streaming)
         try:
-            self._send_buckets(sent, tensors, timer, stage, whole_layers=streaming)
-            self._begin_writing(timer)
-            with timer("install"):
-                summaries = self.call("hotweights_finish", sent.update_id, self.install_method, None, self._verify_now)
+            if len(plan) == 1 and not streaming and self.num_workers == 1:
+                summaries = self._install_in_one_call(sent, tensors, plan[0], timer)
+            else:
+                with timer("begin"):  # a streaming direct install is planned here: refused before anything moves
+                    self.call("hotweights_begin", sent.to_json(), self.commit, self.install_method)
+                self._send_buckets(sent, tensors, timer, stage, plan=plan)
+                self._begin_writing(timer)
+                with timer("install"):
+                    summaries = self.call(
+                        "hotweights_finish", sent.update_id, self.install_method, None, self._verify_now
+                    )
         except BaseException:
             with contextlib.suppress(Exception):
                 self.engine.call("hotweights_abort", sent.update_id, timeout=30.0)

@@ -166,4 +166,8 @@ class PhaseTimer:
         try:
             yield
         finally:
-            self.phases[name] = self.phases.get(name, 0.0) + time.perf_counter() - start
+            self.add(name, time.perf_counter() - start)
+
+    def add(self, name: str, seconds: float) -> None:
+        """Count ``seconds`` to phase ``name`` (for a phase that ends inside a callback)."""
+        self.phases[name] = self.phases.get(name, 0.0) + seconds

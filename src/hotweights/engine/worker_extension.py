@@ -132,6 +132,29 @@ class HotWeightsWorkerExtension:
             summary.update(self._readback(session, items))
         return summary
 
+    def hotweights_install(
+        self,
+        manifest_json: str,
+        bucket_json: str,
+        descriptor: dict[str, Any],
+        method: str = "auto",
+        verify: bool = False,
+    ) -> dict[str, int | str]:
+        """``begin`` + ``stage`` + ``finish`` of an atomic update that fits in one bucket, in one call (one RPC
+        instead of three); the summary is ``finish``'s. An update refused before the install (by the plan, or by
+        the checks of its bucket) drops the session and returns ``{"refused": "<why>"}``: nothing was written.
+        Only for an engine with one worker: with several, one could refuse while another installs."""
+        try:
+            update_id = self.hotweights_begin(manifest_json, "atomic", method)
+            try:
+                self.hotweights_stage(update_id, bucket_json, descriptor)
+            except BaseException:
+                self._hotweights.abort(update_id)
+                raise
+        except Exception as exc:
+            return {"refused": f"{type(exc).__name__}: {exc}"}
+        return self.hotweights_finish(update_id, method, None, verify)
+
     def _readback(self, session: InstallSession, items: list[tuple[str, torch.Tensor]]) -> dict[str, int | str]:
         """Compare the live parameters with what the staged tensors put there (the direct setter's plan knows each
         fused slice); raise naming every tensor that differs. A reload install is checked with the same plan when
