@@ -11,7 +11,7 @@ the linear layers, timed by wrapping it in this process), which both paths pay o
 
 After the rounds, greedy tokens of both engines must equal HF transformers' on the last checkpoint (exit 1 if not).
 
-Run: ``.venv/bin/python benchmarks/bench_default.py [--model many|150m] [--rounds 12] [--size tiny]``.
+Run: ``.venv/bin/python benchmarks/bench_default.py [--model many|150m] [--rounds 20] [--size tiny]``.
 """
 
 from __future__ import annotations
@@ -31,6 +31,8 @@ import hotweights
 from hotweights import VLLMInProcessWeightReloadAdapter, VLLMMultiprocessAdapter, WeightUpdateManifest
 from hotweights.testing import build_tiny_model, greedy_hf, greedy_vllm, start_engine, stop_engine
 
+#: Untimed rounds first: an engine's first installs are slower (allocator, oneDNN caches).
+WARMUP = 5
 #: ``build_tiny_model`` overrides per model and ``--size`` (as in bench_multiprocess.py).
 MODELS: dict[str, dict[str, dict[str, Any]]] = {
     "many": {"full": {"layers": 24}, "tiny": {"layers": 6}},  # hidden 128: 291 tensors, 15.2 MB fp32
@@ -68,7 +70,7 @@ class RepackTimer:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=sorted(MODELS), default="many")
-    parser.add_argument("--rounds", type=int, default=12, help="timed rounds (after 3 untimed ones)")
+    parser.add_argument("--rounds", type=int, default=20, help="timed rounds (after 5 untimed ones)")
     parser.add_argument("--size", choices=["full", "tiny"], default="full", help="'tiny': quick smoke run")
     args = parser.parse_args()
     t_start = time.perf_counter()
@@ -97,7 +99,7 @@ def main() -> None:
             phases: list[dict[str, float]] = []
             repacks: list[tuple[float, int]] = []
             version = 0
-            for round_ in range(3 + args.rounds):
+            for round_ in range(WARMUP + args.rounds):
                 version += 1
                 sd = pair[version % 2]
                 for name, adapter in adapters.items():
@@ -106,7 +108,7 @@ def main() -> None:
                     t0 = time.perf_counter()
                     report = adapter.install(manifest, sd)
                     seconds = time.perf_counter() - t0
-                    if round_ < 3:
+                    if round_ < WARMUP:
                         continue
                     times[name].append(seconds)
                     if name == "multiprocess default":
