@@ -343,6 +343,24 @@ class TestShm:
         gc.collect()
         assert _own_segments() == []
 
+    def test_a_forked_child_leaves_its_parents_files_alone(self) -> None:
+        tensors = _tensors()
+        (bucket,) = plan_buckets(_manifest(tensors), bucket_bytes=1 << 20)
+        transport = shm.Transport()
+        transport.send(bucket, tensors, lambda d: None)
+        (kept,) = _own_segments()
+        pid = os.fork()
+        if pid == 0:  # what a child that inherited the registries runs at its exit (or on close)
+            try:
+                shm._unlink_live()
+                transport.close()
+            finally:
+                os._exit(0)
+        os.waitpid(pid, 0)
+        assert _own_segments() == [kept]
+        transport.close()
+        assert _own_segments() == []
+
     def test_no_reuse_where_shared_memory_is_small(self, monkeypatch: Any) -> None:
         monkeypatch.setattr(shm, "SHM_DIR", Path("/nonexistent"))
         assert shm._reuse_budget() == 0

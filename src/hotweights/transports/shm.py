@@ -47,7 +47,7 @@ _HELD: set[Path] = set()  # the files live transports keep for reuse (a subset o
 @atexit.register
 def _unlink_live() -> None:
     for path in list(_LIVE):
-        path.unlink(missing_ok=True)
+        _remove(path)
 
 
 def sweep_stale(directory: Path = SHM_DIR, min_age: float = 0.0) -> list[Path]:
@@ -167,7 +167,10 @@ def _write(fd: int, views: list[memoryview]) -> None:
 
 
 def _remove(path: Path) -> None:
-    path.unlink(missing_ok=True)
+    """Unlink a file this process created. A forked child (which inherits the registries) leaves its parent's files
+    alone: the name carries the creating pid."""
+    if path.name.startswith(f"{_PREFIX}{os.getpid()}-"):
+        path.unlink(missing_ok=True)
     _LIVE.discard(path)
 
 
