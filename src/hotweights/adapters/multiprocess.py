@@ -199,9 +199,10 @@ class VLLMMultiprocessAdapter(VLLMTransportAdapter):
     def _install_in_one_call(
         self, sent: WeightUpdateManifest, tensors: dict[str, torch.Tensor], bucket: Bucket, timer: PhaseTimer
     ) -> list[dict[str, Any]]:
-        """An atomic update that fits in one bucket, into an engine with one worker: the worker begins, stages and
-        installs it in one RPC (``hotweights_install``) once the trainer has written it, saving two round trips
-        (about 2 ms; a remote engine saves two HTTP requests). The ``transfer`` phase is the trainer's write."""
+        """An atomic update that fits in one bucket, into a local engine with one worker: the worker begins, stages
+        and installs it in one RPC (``hotweights_install``) once the trainer has written it, saving two round trips
+        (about 2 ms). The ``transfer`` phase is the trainer's write. (A server may run a hotweights without this
+        call: it gets the three.)"""
         summaries: list[dict[str, Any]] = []
         start = time.perf_counter()
 
@@ -209,14 +210,18 @@ class VLLMMultiprocessAdapter(VLLMTransportAdapter):
             timer.add("transfer", time.perf_counter() - start)
             self._begin_writing(timer)  # the gate is held before the worker may write
             with timer("install"):
-                summaries[:] = self.call(
-                    "hotweights_install",
-                    sent.to_json(),
-                    bucket.model_dump_json(),
-                    descriptor,
-                    self.install_method,
-                    self._verify_now,
-                )
+                try:
+                    summaries[:] = self.call(
+                        "hotweights_install",
+                        sent.to_json(),
+                        bucket.model_dump_json(),
+                        descriptor,
+                        self.install_method,
+                        self._verify_now,
+                    )
+                except EngineNotSupportedError:
+                    self._untouched()  # refused by the engine handle before the call left this process
+                    raise
 
         self.transport.send(bucket, tensors, deliver)
         refused = [str(s["refused"]) for s in summaries if "refused" in s]
@@ -241,7 +246,7 @@ class VLLMMultiprocessAdapter(VLLMTransportAdapter):
             self.call("hotweights_delta_track", True)
         plan = plan_buckets(sent, self.bucket_size, whole_layers=streaming)
         try:
-            if len(plan) == 1 and not streaming and self.num_workers == 1:
+            if len(plan) == 1 and not streaming and self.num_workers == 1 and self.engine.same_hotweights:
                 summaries = self._install_in_one_call(sent, tensors, plan[0], timer)
             else:
                 with timer("begin"):  # a streaming direct install is planned here: refused before anything moves

@@ -76,6 +76,12 @@ class EngineHandle(ABC):
         return True
 
     @property
+    def same_hotweights(self) -> bool:
+        """True when the engine's workers run this very hotweights (an engine this process started), so every worker
+        method this version calls exists there; a server may run another version."""
+        return True
+
+    @property
     def default_transport(self) -> str:
         """The transport adapters use when the caller names none (``"shm"``: the engine is on this host)."""
         return "shm"

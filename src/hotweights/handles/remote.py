@@ -236,6 +236,10 @@ class RemoteHandle(EngineHandle):
             return False
 
     @property
+    def same_hotweights(self) -> bool:
+        return False  # the server may run another hotweights version: only the calls every version has
+
+    @property
     def default_transport(self) -> str:
         """``"shm"`` on this host; else ``"collective"`` (for a trainer reachable from the server at an address
         other than loopback, build the adapter with ``make_transport("collective", host=<trainer address>)``)."""
