@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import gc
 import itertools
 import os
 from collections.abc import Callable, Iterator
@@ -26,8 +25,8 @@ from hotweights.testing import (
     start_engine,
     stop_engine,
 )
-from hotweights.transports import shm
-from hotweights.transports.shm import SHM_DIR
+
+from ..conftest import our_shm
 
 
 @dataclass(frozen=True)
@@ -84,15 +83,6 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[[Variant, i
         return _CACHE[key]
 
     return get
-
-
-def our_shm() -> list[str]:
-    """What this test process left in /dev/shm: hotweights segments and private checkpoint directories (other
-    processes may be installing too), less the bucket files that live shm transports keep for their next install
-    (they go with the transport: tests/unit/test_transports.py)."""
-    gc.collect()  # an adapter dropped by a test takes its transport's files with it
-    held = {p.name for p in shm._HELD}
-    return sorted(p.name for p in SHM_DIR.glob(f"hotweights-{os.getpid()}-*") if p.name not in held)
 
 
 @pytest.fixture(scope="module")

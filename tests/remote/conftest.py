@@ -2,30 +2,21 @@
 
 from __future__ import annotations
 
-import gc
-import os
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 
 from hotweights.testing import build_tiny_model, greedy_hf, save_tiny_model
-from hotweights.transports import shm
 
-
-def own_segments() -> list[str]:
-    """This process's shared-memory files, less those live shm transports keep for their next install."""
-    gc.collect()
-    held = {p.name for p in shm._HELD}
-    return sorted(p.name for p in Path("/dev/shm").glob(f"hotweights-{os.getpid()}-*") if p.name not in held)
+from ..conftest import our_shm
 
 
 @pytest.fixture(autouse=True)
 def shm_clean() -> Iterator[None]:
     """No test leaves shared-memory segments of this process behind (but the files a live transport reuses)."""
     yield
-    assert own_segments() == []
+    assert our_shm() == []
 
 
 @pytest.fixture(scope="module")

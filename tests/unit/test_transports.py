@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import stat
 from pathlib import Path
@@ -338,8 +339,6 @@ class TestShm:
         transport.send(bucket, tensors, lambda d: None)
         assert len(_own_segments()) == 1
         del transport  # garbage-collected: its files go too
-        import gc
-
         gc.collect()
         assert _own_segments() == []
 
