@@ -266,9 +266,8 @@ def apply_direct(
     Returns the number of layers re-processed.
     """
     touched: list[torch.nn.Module] = []
-    modules = _modules(model)
     for group in plan.by_param():
-        module = modules.get(group.module_name) or model.get_submodule(group.module_name)
+        module = _submodule(model, group.module_name)
         param = getattr(module, group.attr)
         shape = group.rank_shape
         rebuild = param.numel() == 0 and bool(shape) and 0 not in shape  # packed by vLLM on CPU: a full weight anew
@@ -292,12 +291,14 @@ def apply_direct(
 _MODULES: WeakKeyDictionary[torch.nn.Module, dict[str, torch.nn.Module]] = WeakKeyDictionary()
 
 
-def _modules(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
-    """Name -> submodule of ``model``, computed once (an install replaces parameters, never modules)."""
+def _submodule(model: torch.nn.Module, name: str) -> torch.nn.Module:
+    """``model.get_submodule(name)``, from a name -> submodule map made once per model (an install replaces
+    parameters, never modules)."""
     modules = _MODULES.get(model)
     if modules is None:
         modules = _MODULES[model] = dict(model.named_modules())
-    return modules
+    module = modules.get(name)
+    return module if module is not None else model.get_submodule(name)
 
 
 def _needs_reprocessing(modules: Iterable[torch.nn.Module]) -> list[Any]:
@@ -425,9 +426,8 @@ def verify_readback(
     """
     unreadable: set[str] = set()
     bad: set[str] = set()
-    modules = _modules(model)
     for p, slot in plan.placements:
-        param = getattr(modules.get(slot.module_name) or model.get_submodule(slot.module_name), slot.attr)
+        param = getattr(_submodule(model, slot.module_name), slot.attr)
         if param.numel() == 0:
             unreadable.add(p.checkpoint_name)
             continue
