@@ -4,7 +4,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.hotweights-installed
 EXTRAS ?= cpu,dev,trl,docs
 
-.PHONY: setup test test-slow demo bench lint clean
+.PHONY: setup test test-slow test-matrix demo bench lint clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -19,7 +19,14 @@ setup: $(STAMP)
 
 ## the suite CI runs: fast core tests + real tiny vLLM engines (slow profiles excluded)
 test: $(STAMP)
-	$(PY) -m pytest -m "not slow" -p no:cacheprovider
+	$(PY) -m pytest -m "not slow and not matrix" -p no:cacheprovider
+
+## the full conformance matrix: every architecture through every multiprocess path (~15 min on 2 cores); the cells
+## it ran go to docs/architectures.json, from which docs/architectures.md's table is rendered
+test-matrix: $(STAMP)
+	HOTWEIGHTS_MATRIX_OUT=docs/architectures.json $(PY) -m pytest -p no:cacheprovider -m "matrix or not matrix" \
+		tests/engine/test_architectures.py
+	$(PY) docs/_render_architectures.py
 
 ## long profile: the fuzz suite at 10,000 examples per property (~10 min on 2 cores), incl. its slow-marked check
 test-slow: $(STAMP)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal
 
 from hotweights.adapters.base import WeightInstallAdapter
 from hotweights.adapters.inprocess import VLLMInProcessWeightReloadAdapter
@@ -15,6 +15,7 @@ from hotweights.adapters.weights_path import VLLMWeightsPathAdapter
 from hotweights.core.errors import EngineNotSupportedError
 from hotweights.core.layout import WeightLayout
 from hotweights.core.manifest import MetadataValue, TensorsLike, WeightUpdateManifest, _as_items
+from hotweights.core.names import to_checkpoint
 from hotweights.core.report import InstallReport
 from hotweights.engine import compat
 from hotweights.engine.vllm_plugin import BACKEND
@@ -76,10 +77,13 @@ def install(
     pause: PauseMode = "wait",
     adapter: WeightInstallAdapter | None = None,
     delta: bool = False,
-    verify: bool | None = None,
+    verify: bool | Literal["strict"] | None = None,
 ) -> InstallReport:
-    """Install ``tensors`` (checkpoint format, e.g. ``model.state_dict()``) into a running engine.
+    """Install ``tensors`` (checkpoint format, or ``model.state_dict()`` as transformers holds it) into a running
+    engine.
 
+    A transformers 5 MoE model's fused experts (``mlp.experts.gate_up_proj`` ``[E, 2I, H]``, ``down_proj``) are
+    mapped to the per-expert checkpoint names the engine loads, as views (:func:`hotweights.core.names.to_checkpoint`).
     Builds the manifest, validates it against the tensors and the engine, installs through the adapter that fits
     the engine (see :func:`adapter_for`; the report names it), resets the prefix cache, records the version in the
     engine and returns the report. ``digests=True`` hashes every tensor so the engine verifies the bytes it
@@ -96,7 +100,10 @@ def install(
             ``tensors`` put there (fused q/k/v and gate/up slices through the direct setter's plan); a mismatch is an
             :class:`InstallError` and generation then fails closed. Needs the worker extension (or an adapter that
             reads back, e.g. ``VLLMDirectSetterAdapter(llm)`` in-process): elsewhere ``ValueError``, nothing written.
-            On CPU, linear weights packed by vLLM hold no data: ``report.readback_unreadable`` counts them.
+            On CPU, linear weights packed by vLLM hold no data: ``report.readback_unreadable`` counts them, and a
+            read-back that compared nothing is logged and said in ``report.readback_note``. ``"strict"``: any
+            tensor not read back is an :class:`InstallError` (fail closed). Fused-MoE experts are read back in the
+            kernel's own layout on CPU.
         delta: send only what changed since the version this adapter last installed into this engine: unchanged
             tensors are skipped, tensors with few changed elements go as indices + values (see ``docs/delta.md``).
             The first ``delta=True`` install sends everything (``report.delta == "full"``) and from then on the
@@ -139,7 +146,7 @@ async def install_async(
     pause: PauseMode = "wait",
     adapter: WeightInstallAdapter | None = None,
     delta: bool = False,
-    verify: bool | None = None,
+    verify: bool | Literal["strict"] | None = None,
 ) -> InstallReport:
     """:func:`install` for async code: same arguments, report and errors; works on any engine, and is the way to
     install into an ``AsyncLLM`` (await it on the loop the engine runs on).
@@ -179,14 +186,17 @@ def _install(
     pause: PauseMode,
     adapter: WeightInstallAdapter | None,
     delta: bool = False,
-    verify: bool | None = None,
+    verify: bool | Literal["strict"] | None = None,
 ) -> InstallReport:
     handle: EngineHandle = as_engine(engine)
     if adapter is not None and getattr(adapter, "engine", handle) is not handle:
         raise ValueError("adapter= was built on another engine than the one passed to install; build it on this one")
     handle.set_pause_mode(pause)
+    chosen = adapter or adapter_for(engine)
     items = _as_items(tensors)
+    if chosen.expected is not None:  # transformers 5's fused MoE experts -> the checkpoint's per-expert names
+        items, _ = to_checkpoint(items, chosen.expected.tensors)
     manifest = WeightUpdateManifest.from_state_dict(
         items, weight_version=weight_version, update_id=update_id, layout=layout, metadata=metadata, digests=digests
     )
-    return (adapter or adapter_for(engine)).install(manifest, items, force=force, delta=delta, verify=verify)
+    return chosen.install(manifest, items, force=force, delta=delta, verify=verify)

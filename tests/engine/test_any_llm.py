@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,7 @@ from hotweights import (
     EngineSleepingError,
     InstallError,
     PartialUpdateError,
+    VLLMInProcessWeightReloadAdapter,
     VLLMMultiprocessAdapter,
     WeightManifestValidationError,
 )
@@ -163,5 +165,47 @@ def test_generation_running_before_the_first_install_is_waited_for(
         assert result == [reference]  # entirely the old weights: no mix, no crash
         assert report.phases["wait_generation"] > 0
         assert greedy_vllm(llm) == b.fresh
+    finally:
+        stop_engine(llm)
+
+
+def test_a_generation_loop_from_before_the_first_install_survives_eight_installs(
+    checkpoint: Callable[[Variant, int], TinyCheckpoint],
+) -> None:
+    """A thread generating in a loop since before hotweights saw the engine, through a ``generate`` it looked up
+    then (so it never enters the wrapped method): each of its calls runs wholly on one version, none dies, and no
+    install waits for requests that nobody runs (issue 18: vLLM logged "Failed to reset prefix cache", the thread
+    died, the second install timed out)."""
+    a, b = checkpoint(VARIANT, 1), checkpoint(VARIANT, 2)
+    llm = start_engine(a.path, multiprocess=False)
+    try:
+        from vllm import SamplingParams
+
+        generate = llm.generate  # looked up before the gate exists: the unwrapped method
+        sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, detokenize=False)
+        prompts = [{"prompt_token_ids": list(p)} for p in PROMPTS]
+        stop, outputs, errors = threading.Event(), [], []
+
+        def loop() -> None:
+            try:
+                while not stop.is_set():
+                    outs = generate(prompts, sp, use_tqdm=False)
+                    outputs.append([list(o.outputs[0].token_ids) for o in outs])
+            except BaseException as exc:
+                errors.append(exc)
+
+        thread = threading.Thread(target=loop)
+        thread.start()
+        while not outputs and not errors:  # it is generating, outside any gate
+            time.sleep(0.01)
+        adapter = VLLMInProcessWeightReloadAdapter(llm, lock_timeout=60)  # the gate is made now; a hang fails fast
+        for version in range(1, 9):
+            ckpt = b if version % 2 else a
+            hotweights.install(llm, ckpt.state_dict(), weight_version=version, adapter=adapter)
+        stop.set()
+        thread.join(timeout=120)
+        assert not thread.is_alive() and errors == []
+        assert all(out in (a.fresh, b.fresh) for out in outputs), "a call mixed two versions"
+        assert greedy_vllm(llm) == a.fresh  # version 8 is A
     finally:
         stop_engine(llm)

@@ -138,3 +138,63 @@ def test_workers_read_back_what_holds_data_and_fail_closed_on_a_mismatch(
         assert greedy_vllm(llm) == a.hf
     finally:
         stop_engine(llm)
+
+
+MOE = Variant("qwen3_moe", torch.float32, tie=False)
+#: Expert tensors of the tiny Qwen3-MoE: 2 layers x 4 experts x (gate, up, down).
+EXPERT_TENSORS = 2 * 4 * 3
+
+
+def test_moe_experts_are_read_back_in_the_kernel_layout_and_catch_unpacked_experts(
+    checkpoint: Callable[[Variant, int], TinyCheckpoint], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The CPU MoE kernel keeps its experts packed; the read-back packs what was sent the same way and compares.
+    With vLLM's unmended reload (experts left unpacked: the silent corruption of issue 16) it must fail closed."""
+    from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
+
+    a, b = checkpoint(MOE, 1), checkpoint(MOE, 2)
+    llm = start_engine(a.path, multiprocess=False, worker_extension_cls=compat.WORKER_EXTENSION)
+    try:
+        adapter = VLLMMultiprocessAdapter(llm)
+        report = hotweights.install(llm, b.state_dict(), weight_version=1, verify=True, adapter=adapter)
+        assert report.install_method == "reload" and greedy_vllm(llm) == b.fresh
+        assert report.readback_verified == EXPERT_TENSORS
+        assert report.readback_note and "Qwen3MoeForCausalLM" in report.readback_note  # why the rest was not read
+
+        mended = UnquantizedFusedMoEMethod._setup_kernel
+        monkeypatch.setattr(UnquantizedFusedMoEMethod, "_setup_kernel", mended.__wrapped__)  # vLLM's own
+        with pytest.raises(InstallError, match=r"readback after the install: 24 tensor.*experts"):
+            hotweights.install(llm, a.state_dict(), weight_version=2, verify=True, adapter=adapter)
+        with pytest.raises(PartialUpdateError):
+            greedy_vllm(llm)
+        monkeypatch.undo()
+        report = hotweights.install(llm, a.state_dict(), weight_version=2, verify=True, adapter=adapter)
+        assert report.readback_verified == EXPERT_TENSORS and greedy_vllm(llm) == a.fresh  # healed
+    finally:
+        stop_engine(llm)
+
+
+def test_a_read_back_that_reads_nothing_says_so_and_strict_fails_closed(
+    checkpoint: Callable[[Variant, int], TinyCheckpoint], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Mistral is not on the direct setter's allow-list and has no experts: on CPU nothing can be read back."""
+    variant = Variant("mistral", torch.float32, tie=False)
+    a, b = checkpoint(variant, 1), checkpoint(variant, 2)
+    llm = start_engine(a.path, multiprocess=False, worker_extension_cls=compat.WORKER_EXTENSION)
+    try:
+        adapter = VLLMMultiprocessAdapter(llm)
+        with caplog.at_level("WARNING", logger="hotweights"):
+            report = hotweights.install(llm, b.state_dict(), weight_version=1, verify=True, adapter=adapter)
+        assert report.readback_verified == 0 and report.readback_unreadable == report.num_tensors
+        assert report.readback_note and report.readback_note.startswith("nothing could be read back")
+        assert "MistralForCausalLM" in report.readback_note and "nothing could be read back" in str(report)
+        assert "read nothing back" in caplog.text
+        assert greedy_vllm(llm) == b.fresh
+        with pytest.raises(InstallError, match=r'verify="strict": \d+ tensor\(s\) could not be read back'):
+            hotweights.install(llm, a.state_dict(), weight_version=2, verify="strict", adapter=adapter)
+        with pytest.raises(PartialUpdateError):  # not proven: refused until an install that is
+            greedy_vllm(llm)
+        hotweights.install(llm, a.state_dict(), weight_version=2, adapter=adapter)
+        assert greedy_vllm(llm) == a.fresh
+    finally:
+        stop_engine(llm)

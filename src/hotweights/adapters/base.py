@@ -9,11 +9,12 @@ implement the underscore hooks.
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from contextlib import ExitStack
-from typing import ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 
@@ -34,6 +35,8 @@ from hotweights.core.report import InstallReport, PhaseTimer
 from hotweights.telemetry import log_report
 
 __all__ = ["PrefixCachePolicy", "WeightInstallAdapter"]
+
+logger = logging.getLogger("hotweights")
 
 PrefixCachePolicy = Literal["reset", "keep"]
 """``reset`` (default): drop cached prefixes after every install so no output is computed from KV entries of the
@@ -98,6 +101,7 @@ class WeightInstallAdapter(ABC):
         self._delta_engine_version: str | None = None
         self._path: tuple[str, str] | None = None  # set by _ran() during an install, read into its report
         self._verify_now = False  # install(verify=...) of the install in progress
+        self._verify_strict = False  # ... and whether it was verify="strict"
 
     @property
     def label(self) -> str:
@@ -112,7 +116,7 @@ class WeightInstallAdapter(ABC):
         *,
         force: bool = False,
         delta: bool = False,
-        verify: bool | None = None,
+        verify: bool | Literal["strict"] | None = None,
     ) -> InstallReport:
         """Validate ``tensors`` against ``manifest`` and the engine, install them, and report.
 
@@ -122,7 +126,9 @@ class WeightInstallAdapter(ABC):
             force: install even if ``manifest.weight_version`` is not newer than the active version.
             verify: after the commit, read the live parameters back and compare them with what ``tensors`` put
                 there (None: the adapter's ``verify``). A mismatch raises :class:`InstallError` and generation
-                fails closed. Raises ``ValueError`` (nothing written) where the adapter cannot read back.
+                fails closed. Raises ``ValueError`` (nothing written) where the adapter cannot read back. A read-back
+                that could compare nothing is logged as a warning and named in ``report.readback_note``;
+                ``"strict"`` makes any tensor that could not be read back an :class:`InstallError` (fail closed).
             delta: send only what changed since the version this adapter last installed (see
                 :mod:`hotweights.core.delta`); the first such install sends everything and keeps a host copy to
                 diff against (``report.delta == "full"``). Raises :class:`DeltaBaseMismatchError` when the engine
@@ -143,6 +149,7 @@ class WeightInstallAdapter(ABC):
                 "raise lock_timeout"
             )
         try:
+            self._verify_strict = verify == "strict"
             self._verify_now = self._verify_option(verify)
             if self._verify_now and delta:
                 raise ValueError(
@@ -211,6 +218,7 @@ class WeightInstallAdapter(ABC):
                 summary = self._install_delta(manifest, *delta, timer) or {}
             else:
                 summary = self._install(manifest, send, timer) or {}
+            self._check_strict_readback(summary)
         except BaseException as exc:
             if self._may_have_written:  # the engine may hold anything: the next delta install sends everything
                 self._delta_base = None
@@ -276,6 +284,7 @@ class WeightInstallAdapter(ABC):
             install_reason=path[1] if path else None,
             readback_verified=int(summary.get("readback_verified", 0)) if self._verify_now else None,
             readback_unreadable=int(summary.get("readback_unreadable", 0)) if self._verify_now else None,
+            readback_note=self._readback_note(summary) if self._verify_now else None,
             phases=timer.phases,
             bytes_sent=delta[0].bytes_sent if delta is not None else sum(t.nbytes for _, t in send),
             delta="applied" if delta is not None else "full" if delta_asked else "off",
@@ -327,8 +336,28 @@ class WeightInstallAdapter(ABC):
         (``digests_verified``).
         """
 
-    def _verify_option(self, verify: bool | None) -> bool:
-        wanted = self.verify if verify is None else verify
+    def _check_strict_readback(self, summary: dict[str, Any]) -> None:
+        unreadable = int(summary.get("readback_unreadable", 0))
+        if self._verify_now and self._verify_strict and unreadable:
+            why = summary.get("readback_note") or "their parameters hold no data to read"
+            raise ValueError(
+                f'verify="strict": {unreadable} tensor(s) could not be read back ({why}), so the install is not '
+                "proven; use verify=True to accept an install that is verified only where it can be read"
+            )
+
+    @staticmethod
+    def _readback_note(summary: dict[str, Any]) -> str | None:
+        verified, unreadable = int(summary.get("readback_verified", 0)), int(summary.get("readback_unreadable", 0))
+        note = str(summary["readback_note"]) if summary.get("readback_note") else None
+        if verified == 0 and unreadable:
+            note = f"nothing could be read back: {note or 'no parameter of the update holds readable data'}"
+            logger.warning("verify=True read nothing back (%d tensors unreadable): %s", unreadable, note)
+        return note
+
+    def _verify_option(self, verify: bool | Literal["strict"] | None) -> bool:
+        if verify not in (None, True, False, "strict"):
+            raise ValueError(f'verify must be True, False, "strict" or None, not {verify!r}; nothing was written')
+        wanted = bool(self.verify if verify is None else verify)
         if wanted and not self.verifies_readback:
             raise ValueError(
                 f"the {self.label} adapter cannot read the engine's parameters back, so verify=True is refused; "

@@ -230,7 +230,7 @@ class VLLMMultiprocessAdapter(VLLMTransportAdapter):
             raise RuntimeError(refused[0])
         return summaries
 
-    def _install(self, manifest: WeightUpdateManifest, items: Items, timer: PhaseTimer) -> dict[str, int]:
+    def _install(self, manifest: WeightUpdateManifest, items: Items, timer: PhaseTimer) -> dict[str, Any]:
         if self._verify_now and self.commit == "streaming":
             raise ValueError("verify=True needs commit='atomic': a streaming install keeps no copy of what it wrote")
         tensors = dict(items)
@@ -268,4 +268,5 @@ class VLLMMultiprocessAdapter(VLLMTransportAdapter):
             "digests_verified": min(int(s.get("digests_verified", 0)) for s in summaries),
             "readback_verified": min(int(s.get("readback_verified", 0)) for s in summaries),
             "readback_unreadable": max(int(s.get("readback_unreadable", 0)) for s in summaries),
+            **next(({"readback_note": s["readback_note"]} for s in summaries if s.get("readback_note")), {}),
         }

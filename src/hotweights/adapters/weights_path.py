@@ -13,8 +13,10 @@ from safetensors.torch import save_file
 
 from hotweights.adapters._vllm import VLLMEngineAdapter
 from hotweights.adapters.base import Items, PrefixCachePolicy
+from hotweights.core.errors import EngineNotSupportedError
 from hotweights.core.manifest import ExpectedWeights, WeightUpdateManifest
 from hotweights.core.report import PhaseTimer
+from hotweights.engine import compat
 from hotweights.transports.shm import SHM_DIR, sweep_stale
 
 __all__ = ["VLLMWeightsPathAdapter"]
@@ -72,6 +74,7 @@ class VLLMWeightsPathAdapter(VLLMEngineAdapter):
         sweep_stale(min_age=60.0)  # checkpoint directories of trainers that died mid-install
 
     def _install(self, manifest: WeightUpdateManifest, items: Items, timer: PhaseTimer) -> dict[str, int]:
+        self._refuse_unmended()
         directory = Path(tempfile.mkdtemp(prefix=f"hotweights-{os.getpid()}-ckpt-", dir=SHM_DIR))
         try:
             with timer("pack"):
@@ -86,6 +89,21 @@ class VLLMWeightsPathAdapter(VLLMEngineAdapter):
         finally:
             shutil.rmtree(directory, ignore_errors=True)
         return self._digests(manifest)
+
+    def _refuse_unmended(self) -> None:
+        """vLLM's own reload needs mending for some models (:data:`~hotweights.engine.compat.VLLM_FIXES`); the
+        mend runs in the engine's processes only through hotweights' vLLM plugin: refuse where it cannot."""
+        if self.engine.kind not in ("llm", "async_llm") or compat.vllm_fixes_reach_workers():
+            return
+        needed = compat.vllm_fixes_needed(self.llm)
+        if needed:
+            why = "; ".join(compat.VLLM_FIXES[n] for n in needed)
+            raise EngineNotSupportedError(
+                f"this model needs a fix to vLLM's reload_weights that runs in the engine's processes through "
+                f"hotweights' vLLM plugin, and VLLM_PLUGINS={os.environ.get('VLLM_PLUGINS')!r} leaves it out ({why}); "
+                "nothing was written. Add hotweights to VLLM_PLUGINS, or start the engine with "
+                f"worker_extension_cls={compat.WORKER_EXTENSION!r}."
+            )
 
 
 def _host_tensors(items: Items) -> dict[str, torch.Tensor]:

@@ -66,6 +66,7 @@ class ServingGate:
         self._installing = False
         self._waiting_installs = 0
         self._owner: int | None = None
+        self._local = threading.local()  # how deep this thread is in serving(): nested calls pass through
         self.refusal: str | None = None
         """Why generation is refused (set by :meth:`refuse`), or None."""
 
@@ -83,8 +84,13 @@ class ServingGate:
     def serving(self, timeout: float | None = None) -> Iterator[None]:
         """Held by a generation call; waits while an install runs or waits."""
         me = threading.get_ident()
-        if self._owner == me:  # a generation call made by the installing thread itself (e.g. a check)
-            yield
+        depth = getattr(self._local, "depth", 0)
+        if self._owner == me or depth:  # the installing thread's own check, or a call inside a held one
+            self._local.depth = depth + 1
+            try:
+                yield
+            finally:
+                self._local.depth = depth
             return
         with self._cond:
             if not self._cond.wait_for(lambda: not self._installing and not self._waiting_installs, timeout):
@@ -92,9 +98,11 @@ class ServingGate:
             if self.refusal is not None:
                 raise PartialUpdateError(self.refusal)
             self._serving += 1
+        self._local.depth = 1
         try:
             yield
         finally:
+            self._local.depth = 0
             with self._cond:
                 self._serving -= 1
                 self._cond.notify_all()

@@ -51,6 +51,9 @@ class InstallReport(BaseModel):
     readback_unreadable: int | None = None
     """``verify=True`` only: tensors whose parameter holds no data to read (on CPU vLLM packs linear weights into
     oneDNN handles, leaving 0-element parameters), so they were not compared."""
+    readback_note: str | None = None
+    """``verify=True`` only: why some tensors could not be read back (e.g. the layer class keeps no readable
+    layout); starts with "nothing could be read back" when no tensor could be compared."""
     phases: dict[str, float] = Field(default_factory=dict)
     bytes_sent: int = -1
     """Bytes that crossed to the engine: ``num_bytes`` for a full install, the delta's indices and values for a
@@ -115,6 +118,7 @@ class InstallReport(BaseModel):
             **({"install_reason": self.install_reason} if self.install_reason is not None else {}),
             **({"readback_verified": self.readback_verified} if self.readback_verified is not None else {}),
             **({"readback_unreadable": self.readback_unreadable} if self.readback_unreadable is not None else {}),
+            **({"readback_note": self.readback_note} if self.readback_note else {}),
             "seconds": seconds,
             "gbps": self.gbps if seconds > 0 else None,
         }
@@ -142,7 +146,8 @@ class InstallReport(BaseModel):
         if self.install_method is not None:
             text = f" [{self.install_method}" + (f": {self.install_reason}]" if self.install_reason else "]")
         if self.readback_verified is not None:
-            text += f" (read back: {self.readback_verified} tensors equal, {self.readback_unreadable or 0} unreadable)"
+            text += f" (read back: {self.readback_verified} tensors equal, {self.readback_unreadable or 0} unreadable"
+            text += f"; {self.readback_note})" if self.readback_note else ")"
         return text
 
 

@@ -7,6 +7,7 @@ so ``import hotweights`` stays cheap and works without vLLM.
 from __future__ import annotations
 
 import functools
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -18,7 +19,9 @@ from hotweights.core.gate import ServingGate
 
 __all__ = [
     "GENERATION_METHODS",
+    "VLLM_FIXES",
     "WORKER_EXTENSION",
+    "apply_vllm_fixes",
     "clear_kv_cache_inprocess",
     "engine_dtype",
     "engine_kind",
@@ -35,6 +38,8 @@ __all__ = [
     "serving_gate",
     "set_engine_weight_version",
     "tie_word_embeddings",
+    "vllm_fixes_needed",
+    "vllm_fixes_reach_workers",
     "weight_transfer_backend",
     "weights_asleep_inprocess",
     "worker_extension",
@@ -209,24 +214,35 @@ def rpc(
 GENERATION_METHODS = ("generate", "chat", "beam_search", "encode", "embed", "classify", "score", "reward")
 
 
+_GATE_LOCK = threading.Lock()
+
+
 def serving_gate(llm: Any) -> ServingGate:
-    """The engine's :class:`ServingGate`, created on first use; the LLM's generation methods enter it.
+    """The engine's :class:`ServingGate`, created once (also under concurrent first use); the LLM's generation
+    methods enter it.
 
     The methods are wrapped on this ``LLM`` instance only (``llm.generate`` etc.), so that a generation call in
-    one thread and an install in another never overlap. A call that was already running when the gate was made,
-    or requests driven through ``llm.llm_engine`` directly, never entered it: an install also waits until the
-    engine has no unfinished requests. Idempotent.
+    one thread and an install in another never overlap. A call that had already looked the method up before the
+    gate existed is caught where it adds its requests: ``llm.llm_engine.add_request`` enters the gate too, and a
+    thread that entered it there holds it until its ``_run_engine`` returns (its requests run on one version).
+    Requests driven through ``llm.llm_engine`` directly never enter it: an install also waits until the engine has
+    no unfinished requests. Idempotent.
     """
     gate = getattr(llm, "_hotweights_gate", None)
     if isinstance(gate, ServingGate):
         return gate
-    gate = ServingGate(idle=lambda: not has_unfinished_requests(llm))
-    for name in GENERATION_METHODS:
-        method = getattr(llm, name, None)
-        if callable(method):
-            setattr(llm, name, _gated(method, gate))
-    llm._hotweights_gate = gate
-    return gate
+    with _GATE_LOCK:
+        gate = getattr(llm, "_hotweights_gate", None)
+        if isinstance(gate, ServingGate):
+            return gate
+        gate = ServingGate(idle=lambda: not has_unfinished_requests(llm))
+        for name in GENERATION_METHODS:
+            method = getattr(llm, name, None)
+            if callable(method):
+                setattr(llm, name, _gated(method, gate))
+        _gate_requests(llm, gate)
+        llm._hotweights_gate = gate
+        return gate
 
 
 def _gated(method: Any, gate: ServingGate) -> Any:
@@ -236,3 +252,137 @@ def _gated(method: Any, gate: ServingGate) -> Any:
             return method(*args, **kwargs)
 
     return call
+
+
+def _gate_requests(llm: Any, gate: ServingGate) -> None:
+    """Gate ``llm_engine.add_request`` from the first request a thread adds until its ``llm._run_engine`` returns."""
+    engine = getattr(llm, "llm_engine", None)
+    add, run = getattr(engine, "add_request", None), getattr(llm, "_run_engine", None)
+    if not callable(add) or not callable(run):
+        return
+    held = threading.local()
+
+    @functools.wraps(add)
+    def add_request(*args: Any, **kwargs: Any) -> Any:
+        if getattr(held, "context", None) is None:
+            context = gate.serving()
+            context.__enter__()  # waits while an install runs; a thread already serving passes through
+            held.context = context
+        try:
+            return add(*args, **kwargs)
+        except BaseException:
+            _release(held)
+            raise
+
+    @functools.wraps(run)
+    def run_engine(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return run(*args, **kwargs)
+        finally:
+            _release(held)
+
+    engine.add_request = add_request  # type: ignore[union-attr]
+    llm._run_engine = run_engine
+
+
+def _release(held: threading.local) -> None:
+    context, held.context = getattr(held, "context", None), None
+    if context is not None:
+        context.__exit__(None, None, None)
+
+
+# ------------------------------------------------------------------------------------------- fixes inside vLLM
+#: Defects of vLLM's own weight reload (0.32) that would make an install serve wrong output, each with what it
+#: does. :func:`apply_vllm_fixes` mends them in the process it runs in; the ``vllm.general_plugins`` entry point
+#: runs it in every vLLM process (front end, engine core, workers) of an environment where hotweights is installed,
+#: so even vLLM's built-in ``reload_weights(weights_path=...)`` (the zero-configuration path) installs exactly.
+VLLM_FIXES = {
+    "moe-cpu-prepack": (
+        "a reload of a fused-MoE layer re-runs UnquantizedFusedMoEMethod.process_weights_after_loading, whose "
+        "_setup_kernel calls the experts' own post-load hook only on the first load: on CPU the experts' weights "
+        "(w13/w2) are then left unpacked for the grouped-GEMM kernel, and every MoE layer computes garbage"
+    ),
+    "tied-lm-head": (
+        "a layerwise reload rebuilds the layer that owns a tied weight (embed_tokens) but not the one that borrows "
+        "it (lm_head): on CPU the head keeps a packed copy of the old embedding and computes logits from it"
+    ),
+}
+
+_FIXED: set[str] = set()
+
+
+def apply_vllm_fixes() -> tuple[str, ...]:
+    """Mend :data:`VLLM_FIXES` in this process (idempotent); returns the fixes now in place.
+
+    Each fix wraps one vLLM method so that it finishes the work it left undone on a weight update; nothing changes
+    at the first load. A vLLM without the method is left as it is.
+    """
+    if "moe-cpu-prepack" not in _FIXED and _fix_moe_setup_kernel():
+        _FIXED.add("moe-cpu-prepack")
+    if "tied-lm-head" not in _FIXED and _fix_reload_tied_heads():
+        _FIXED.add("tied-lm-head")
+    return tuple(sorted(_FIXED))
+
+
+def _fix_moe_setup_kernel() -> bool:
+    try:
+        from vllm.model_executor.layers.fused_moe.experts import cpu_moe
+        from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
+    except ImportError:
+        return False
+    original = getattr(UnquantizedFusedMoEMethod, "_setup_kernel", None)
+    prepacking: Any = getattr(cpu_moe, "CPUUnquantizedExperts", None)  # x86, Arm and Power experts derive from it
+    if original is None or prepacking is None:
+        return False
+
+    @functools.wraps(original)
+    def setup_kernel(self: Any, layer: torch.nn.Module, *args: Any, **kwargs: Any) -> None:
+        update = getattr(self, "moe_kernel", None) is not None
+        original(self, layer, *args, **kwargs)
+        experts = getattr(self.moe_kernel, "fused_experts", None) if update else None
+        if isinstance(experts, prepacking):  # the first load ran this hook; a weight update did not
+            experts.process_weights_after_loading(layer)
+
+    UnquantizedFusedMoEMethod._setup_kernel = setup_kernel  # type: ignore[method-assign]
+    return True
+
+
+def _fix_reload_tied_heads() -> bool:
+    try:
+        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+    except ImportError:
+        return False
+    original = getattr(GPUModelRunner, "reload_weights", None)
+    if original is None:
+        return False
+
+    @functools.wraps(original)
+    def reload_weights(self: Any, *args: Any, **kwargs: Any) -> None:
+        from hotweights.engine.worker_ops import refresh_tied_layers
+
+        original(self, *args, **kwargs)
+        refresh_tied_layers(self.get_model())
+
+    GPUModelRunner.reload_weights = reload_weights  # type: ignore[method-assign]
+    return True
+
+
+def vllm_fixes_reach_workers() -> bool:
+    """Whether the engine processes this process starts (or shares an environment with) load hotweights' plugin,
+    and with it :func:`apply_vllm_fixes`: False when ``VLLM_PLUGINS`` names plugins without ``hotweights``."""
+    import os
+
+    names = os.environ.get("VLLM_PLUGINS")
+    return names is None or "hotweights" in {n.strip() for n in names.split(",")}
+
+
+def vllm_fixes_needed(llm: Any) -> tuple[str, ...]:
+    """The :data:`VLLM_FIXES` an install into this engine's model depends on (a MoE model, a tied head)."""
+    cfg = _model_config(llm)
+    text = getattr(cfg, "hf_text_config", None) or getattr(cfg, "hf_config", None)
+    experts = max(int(getattr(text, k, 0) or 0) for k in ("num_experts", "num_local_experts", "n_routed_experts"))
+    return tuple(
+        name
+        for name, needed in (("moe-cpu-prepack", experts > 0), ("tied-lm-head", tie_word_embeddings(llm)))
+        if needed
+    )

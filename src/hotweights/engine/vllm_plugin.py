@@ -1,5 +1,6 @@
-"""vLLM general plugin (entry point ``vllm.general_plugins``): registers the ``"hotweights"`` weight-transfer
-backend in every vLLM process. Safe to call more than once."""
+"""vLLM general plugin (entry point ``vllm.general_plugins``), run in every vLLM process: mends vLLM's weight
+reload where it would serve wrong output (:data:`~hotweights.engine.compat.VLLM_FIXES`) and registers the
+``"hotweights"`` weight-transfer backend. Safe to call more than once."""
 
 from __future__ import annotations
 
@@ -9,7 +10,11 @@ BACKEND = "hotweights"
 
 
 def register() -> None:
-    """Register :class:`~hotweights.engine.transfer_engine.HotWeightsTransferEngine` (lazily imported)."""
+    """Apply :func:`~hotweights.engine.compat.apply_vllm_fixes`; register
+    :class:`~hotweights.engine.transfer_engine.HotWeightsTransferEngine` (lazily imported)."""
+    from hotweights.engine.compat import apply_vllm_fixes
+
+    apply_vllm_fixes()
     try:
         from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
     except ImportError:  # a vLLM without the weight-transfer registry: nothing to register

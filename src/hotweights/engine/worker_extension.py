@@ -156,27 +156,38 @@ class HotWeightsWorkerExtension:
         return self.hotweights_finish(update_id, method, None, verify)
 
     def _readback(self, session: InstallSession, items: list[tuple[str, torch.Tensor]]) -> dict[str, int | str]:
-        """Compare the live parameters with what the staged tensors put there (the direct setter's plan knows each
-        fused slice); raise naming every tensor that differs. A reload install is checked with the same plan when
-        the model passes the setter's safety rule (its post-processing then leaves data-holding parameters as
-        loaded); otherwise nothing can be read back."""
+        """Compare the live parameters with what the staged tensors put there; raise naming every tensor that
+        differs. The direct setter's plan knows each fused slice: a reload install is checked with it when the
+        model passes the setter's safety rule (its post-processing then leaves data-holding parameters as loaded).
+        Fused-MoE experts are checked in the kernel's own layout (:func:`~hotweights.engine.readback.verify_experts`)
+        on every model. What neither covers is counted unreadable, and ``readback_note`` says why."""
         from hotweights.engine.direct import direct_refusals, model_slots, plan_direct, verify_readback
+        from hotweights.engine.readback import verify_experts
         from hotweights.engine.worker_ops import worker_model
 
         model = worker_model(self)
+        tensors = dict(items)
+        experts_equal, experts_bad, note = verify_experts(model, tensors)
         plan = session.direct_plan
-        if plan is None:
-            refusals = direct_refusals(model)
-            if refusals:
-                return {"readback_verified": 0, "readback_unreadable": len(items), "readback_note": refusals[0]}
+        refusals = direct_refusals(model) if plan is None else ()
+        if plan is None and not refusals:
             plan = plan_direct(model_slots(model), session.manifest.tensors)
-        verified, unreadable, bad = verify_readback(model, plan, dict(items))
+        if plan is not None:
+            verified, unreadable, bad = verify_readback(model, plan, tensors)
+            bad = sorted(set(bad) | experts_bad)
+        else:
+            verified, bad = len(experts_equal), sorted(experts_bad)
+            unreadable = len(tensors) - verified - len(bad)
+            note = note or refusals[0]
         if bad:
             raise ValueError(
                 f"readback after the install: {len(bad)} tensor(s) in the live parameters differ from what the trainer "
                 f"sent: {bad[:5]}"
             )
-        return {"readback_verified": verified, "readback_unreadable": unreadable}
+        summary: dict[str, int | str] = {"readback_verified": verified, "readback_unreadable": unreadable}
+        if unreadable and note:
+            summary["readback_note"] = note
+        return summary
 
     def _direct_plan(self, manifest: WeightUpdateManifest) -> DirectPlan:
         """The direct setter's plan for ``manifest`` on this worker's model (raises if it cannot place it)."""

@@ -33,12 +33,18 @@ def worker_model(worker: Any) -> torch.nn.Module:
 
 
 def reload_checkpoint_tensors(worker: Any, items: Iterable[tuple[str, torch.Tensor]]) -> int:
-    """One layerwise reload of checkpoint-format tensors, then :func:`refresh_tied_layers`.
+    """One layerwise reload of checkpoint-format tensors, with vLLM's reload mended
+    (:func:`~hotweights.engine.compat.apply_vllm_fixes`: MoE experts re-packed, tied heads refreshed).
 
     Returns the number of tied layers refreshed.
     """
+    from hotweights.engine.compat import apply_vllm_fixes
+
+    fixes = apply_vllm_fixes()
     worker = getattr(worker, "worker", worker)
     worker.reload_weights(weights_iterator=items, is_checkpoint_format=True)
+    if "tied-lm-head" in fixes:  # refreshed inside reload_weights
+        return sum(1 for _ in _tied_borrowers(worker_model(worker)))
     return refresh_tied_layers(worker_model(worker))
 
 
@@ -46,6 +52,9 @@ def reload_model(vllm_config: Any, model: torch.nn.Module, items: Iterable[tuple
     """The same install for callers that hold the model, not the worker (vLLM's weight-transfer backends)."""
     from vllm.model_executor.model_loader.reload.inplace import reload_weights
 
+    from hotweights.engine.compat import apply_vllm_fixes
+
+    apply_vllm_fixes()
     reload_weights(vllm_config, model, weights_iterator=items, weights_path=None, is_checkpoint_format=True)
     return refresh_tied_layers(model)
 
@@ -59,8 +68,16 @@ def refresh_tied_layers(model: torch.nn.Module) -> int:
     logits from it (measured: a tied Llama served its previous model's tokens). Re-processing the borrower rebuilds
     its derived state from the shared, already-updated weight. Returns how many layers were refreshed.
     """
-    owners: dict[int, torch.nn.Module] = {}
     refreshed = 0
+    for module in _tied_borrowers(model):
+        module.quant_method.process_weights_after_loading(module)
+        refreshed += 1
+    return refreshed
+
+
+def _tied_borrowers(model: torch.nn.Module) -> Iterator[Any]:
+    """Layers whose weight is another (earlier) layer's and that derive state from it in their quant method."""
+    owners: dict[int, torch.nn.Module] = {}
     for module in model.modules():
         weight = module._parameters.get("weight")
         if weight is None:
@@ -68,9 +85,7 @@ def refresh_tied_layers(model: torch.nn.Module) -> int:
         owner = owners.setdefault(id(weight), module)
         method = getattr(module, "quant_method", None)
         if owner is not module and method is not None and hasattr(method, "process_weights_after_loading"):
-            method.process_weights_after_loading(module)
-            refreshed += 1
-    return refreshed
+            yield module
 
 
 @torch.no_grad()
@@ -100,6 +115,10 @@ def open_layerwise_reload(model: torch.nn.Module) -> None:
     """Start a layerwise reload that later ``model.load_weights`` calls feed (vLLM buffers each layer until all
     its parts arrived, then processes it). The model cannot serve until :func:`close_layerwise_reload`."""
     from vllm.model_executor.model_loader.reload.layerwise import initialize_layerwise_reload
+
+    from hotweights.engine.compat import apply_vllm_fixes
+
+    apply_vllm_fixes()  # MoE experts re-packed as their layers complete
 
     initialize_layerwise_reload(model)
 

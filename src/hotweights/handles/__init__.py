@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 from hotweights.core.errors import EngineNotSupportedError
@@ -12,6 +13,7 @@ __all__ = ["EngineHandle", "PauseMode", "as_engine"]
 
 # The handle lives on the engine object itself (a registry keyed by engine would keep every engine alive).
 _ATTR = "_hotweights_handle"
+_LOCK = threading.RLock()  # two first installs from two threads build one handle
 
 
 def as_engine(obj: Any) -> EngineHandle:
@@ -26,19 +28,26 @@ def as_engine(obj: Any) -> EngineHandle:
     handle = getattr(obj, _ATTR, None)
     if isinstance(handle, EngineHandle):
         return handle
+    with _LOCK:
+        handle = getattr(obj, _ATTR, None)
+        if isinstance(handle, EngineHandle):
+            return handle
+        handle = _new_handle(obj)
+        setattr(obj, _ATTR, handle)
+        return handle
+
+
+def _new_handle(obj: Any) -> EngineHandle:
     kind = compat.engine_kind(obj)
     if kind == "llm":
         from hotweights.handles.llm import LLMHandle
 
-        handle = LLMHandle(obj)
-    elif kind == "async_llm":
+        return LLMHandle(obj)
+    if kind == "async_llm":
         from hotweights.handles.async_llm import AsyncLLMHandle
 
-        handle = AsyncLLMHandle(obj)
-    else:
-        raise EngineNotSupportedError(
-            f"{type(obj).__name__} is not an engine hotweights can install into: pass a vllm.LLM, a vLLM AsyncLLM, "
-            "or the handle returned by hotweights.connect(url) for a `vllm serve` process"
-        )
-    setattr(obj, _ATTR, handle)
-    return handle
+        return AsyncLLMHandle(obj)
+    raise EngineNotSupportedError(
+        f"{type(obj).__name__} is not an engine hotweights can install into: pass a vllm.LLM, a vLLM AsyncLLM, "
+        "or the handle returned by hotweights.connect(url) for a `vllm serve` process"
+    )
