@@ -11,7 +11,8 @@ the linear layers, timed by wrapping it in this process), which both paths pay o
 
 After the rounds, greedy tokens of both engines must equal HF transformers' on the last checkpoint (exit 1 if not).
 
-Run: ``.venv/bin/python benchmarks/bench_default.py [--model many|150m] [--rounds 20] [--size tiny]``.
+Run: ``.venv/bin/python benchmarks/bench_default.py [--model many|150m|moe100m] [--rounds 20] [--size tiny]``
+(``moe100m``: a 100M-parameter Qwen3-MoE with 8 experts, the trainer's fused experts mapped to checkpoint names).
 """
 
 from __future__ import annotations
@@ -29,16 +30,31 @@ import torch
 
 import hotweights
 from hotweights import VLLMInProcessWeightReloadAdapter, VLLMMultiprocessAdapter, WeightUpdateManifest
+from hotweights.core.names import to_checkpoint
 from hotweights.testing import build_tiny_model, greedy_hf, greedy_vllm, start_engine, stop_engine
 
 #: Untimed rounds first: an engine's first installs are slower (allocator, oneDNN caches).
 WARMUP = 5
-#: ``build_tiny_model`` overrides per model and ``--size`` (as in bench_multiprocess.py).
+#: ``build_tiny_model`` overrides per model and ``--size`` (as in bench_multiprocess.py); ``arch`` picks the family.
 MODELS: dict[str, dict[str, dict[str, Any]]] = {
     "many": {"full": {"layers": 24}, "tiny": {"layers": 6}},  # hidden 128: 291 tensors, 15.2 MB fp32
     "150m": {
         "full": {"hidden": 768, "layers": 12, "heads": 12, "kv_heads": 4, "intermediate": 3072, "vocab": 32000},
         "tiny": {},
+    },
+    # Qwen3-MoE, 8 experts (top 2) of width 1024 in each of 4 layers: 107M parameters, 0.43 GB fp32
+    "moe100m": {
+        "full": {
+            "arch": "qwen3_moe",
+            "hidden": 768,
+            "layers": 4,
+            "heads": 12,
+            "kv_heads": 4,
+            "experts": 8,
+            "moe_intermediate": 1024,
+            "vocab": 16000,
+        },
+        "tiny": {"arch": "qwen3_moe"},
     },
 }
 
@@ -76,7 +92,9 @@ def main() -> None:
     t_start = time.perf_counter()
     import vllm
 
-    models = [build_tiny_model("qwen2", seed=s, **MODELS[args.model][args.size]) for s in (1, 2)]
+    config = dict(MODELS[args.model][args.size])
+    arch = config.pop("arch", "qwen2")
+    models = [build_tiny_model(arch, seed=s, **config) for s in (1, 2)]
     pair = [{k: v.detach().clone() for k, v in m.state_dict().items()} for m in models]
     nbytes = sum(t.nbytes for t in pair[0].values())
     print(
@@ -88,6 +106,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "A"
         models[0].save_pretrained(path, safe_serialization=True)
+        expected = WeightUpdateManifest.from_safetensors(path, weight_version=0).tensors
+        pair = [dict(to_checkpoint(list(sd.items()), expected)[0]) for sd in pair]  # MoE: per-expert views
         inprocess = start_engine(path, multiprocess=False)
         multiprocess = start_engine(path, multiprocess=True, worker_extension_cls=hotweights.WORKER_EXTENSION)
         try:
@@ -131,8 +151,10 @@ def main() -> None:
     per_round = statistics.median(a / b for a, b in zip(ip, default, strict=True))
     print(f"default install method: {method}")
     print(
-        f"medians: in-process adapter {med['in-process adapter'] * 1e3:.1f} ms, multiprocess default "
-        f"{med['multiprocess default'] * 1e3:.1f} ms; default speed / in-process speed = "
+        f"medians: in-process adapter {med['in-process adapter'] * 1e3:.1f} ms "
+        f"({nbytes / med['in-process adapter'] / 1e9:.2f} GB/s), multiprocess default "
+        f"{med['multiprocess default'] * 1e3:.1f} ms ({nbytes / med['multiprocess default'] / 1e9:.2f} GB/s); "
+        "default speed / in-process speed = "
         f"{med['in-process adapter'] / med['multiprocess default']:.2f}x (median of per-round ratios {per_round:.2f}x; "
         "target >= 2x)"
     )

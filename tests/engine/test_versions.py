@@ -50,6 +50,32 @@ def test_llm_outputs_name_the_version_that_produced_them(
         stop_engine(llm)
 
 
+def test_the_engine_holds_the_version_across_adapters_and_trainer_restarts(
+    checkpoint: Callable[[Variant, int], TinyCheckpoint],
+) -> None:
+    """Issue 17: versions were per adapter, so a second adapter (or a restarted trainer) accepted any version."""
+    from hotweights import StaleWeightVersionError, VLLMDirectSetterAdapter, VLLMInProcessWeightReloadAdapter
+    from hotweights.handles import _ATTR
+
+    a, b = checkpoint(VARIANT, 1), checkpoint(VARIANT, 2)
+    llm = start_engine(a.path)
+    try:
+        hotweights.install(llm, b.state_dict(), weight_version=5)
+        for adapter in (VLLMInProcessWeightReloadAdapter(llm), VLLMDirectSetterAdapter(llm)):
+            assert adapter.active_weight_version == 5  # one version line per engine
+            with pytest.raises(StaleWeightVersionError):
+                hotweights.install(llm, a.state_dict(), weight_version=4, adapter=adapter)
+        delattr(llm, _ATTR)  # a restarted trainer: nothing of hotweights' state survives but the engine's record
+        with pytest.raises(StaleWeightVersionError):
+            hotweights.install(llm, a.state_dict(), weight_version=5)
+        assert [list(o.outputs[0].token_ids) for o in _generate(llm)] == b.fresh  # nothing was written
+        report = hotweights.install(llm, a.state_dict(), weight_version=6)
+        assert report.previous_version == 5
+        hotweights.install(llm, b.state_dict(), weight_version=2, force=True)  # force stays
+    finally:
+        stop_engine(llm)
+
+
 @pytest.fixture(scope="module")
 def loop() -> Iterator[EventLoopThread]:
     loop = EventLoopThread()

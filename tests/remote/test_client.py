@@ -57,6 +57,8 @@ class FakeServer:
             return httpx.Response(200, json={"results": ["hotweights", "hotweights"]})
         if body["method"] == "echo":
             return httpx.Response(200, json={"results": [body, body]})
+        if body["method"] == "answers_nothing":
+            return httpx.Response(200, json={"status": "ok"})
         message = f"Worker failed with error ''CPUWorker' object has no attribute '{body['method']}''"
         return httpx.Response(500, json={"error": {"message": message, "type": "InternalServerError", "code": 500}})
 
@@ -127,6 +129,14 @@ def test_call_posts_collective_rpc_and_returns_one_result_per_worker() -> None:
     engine = connect(FakeServer())
     results = engine.call("echo", "a", 1, timeout=7.0, kwargs={"k": {"x": [1]}})
     assert results[0] == {"method": "echo", "args": ["a", 1], "kwargs": {"k": {"x": [1]}}, "timeout": 7.0}
+
+
+def test_a_reply_without_results_is_an_error_not_a_guess() -> None:
+    from hotweights import InstallError
+
+    engine = connect(FakeServer())
+    with pytest.raises(InstallError, match=r"'answers_nothing' without a list of results"):
+        engine.call("answers_nothing")
 
 
 def test_a_server_error_carries_its_message() -> None:

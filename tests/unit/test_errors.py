@@ -173,3 +173,15 @@ def test_errors_are_raisable_and_catchable_at_root() -> None:
         raise StaleWeightVersionError(1, 1)
     with pytest.raises(HotWeightsError):
         raise WeightManifestValidationError([Mismatch("missing", "w")])
+
+
+def test_an_untested_vllm_is_warned_about_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.metadata as metadata
+
+    from hotweights.engine import compat
+
+    monkeypatch.setattr(compat, "_WARNED", set())
+    monkeypatch.setattr(metadata, "version", lambda dist: "0.40.1")
+    with pytest.warns(RuntimeWarning, match=r"tested with vLLM 0\.32\.x and this is vLLM 0\.40\.1"):
+        compat.warn_untested_vllm()
+    compat.warn_untested_vllm()  # once per process: no second warning (pytest would fail on an unexpected one)

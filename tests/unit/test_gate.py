@@ -52,3 +52,106 @@ def test_new_gated_calls_wait_while_the_install_waits_for_idle() -> None:
     with gate.serving(timeout=1.0):
         order.append("serve")
     assert order == ["install", "serve"]
+
+
+def test_a_call_inside_a_held_serving_passes_while_an_install_waits() -> None:
+    """A generation call that enters the gate again from inside its own hold (``generate`` -> ``add_request``)
+    must not wait behind an install that waits for it (that would deadlock both)."""
+    gate = ServingGate()
+    inside, done = threading.Event(), threading.Event()
+
+    def generation() -> None:
+        with gate.serving():
+            inside.set()
+            time.sleep(0.2)  # the install is waiting for this call now
+            with gate.serving(timeout=1.0):  # nested: passes through
+                pass
+        done.set()
+
+    thread = threading.Thread(target=generation)
+    thread.start()
+    inside.wait(5)
+    with gate.installing(timeout=5.0):
+        assert done.is_set()
+    thread.join(5)
+
+
+class _FakeLLM:
+    """What compat.serving_gate touches on a vllm.LLM (pure logic: the real engine is in tests/engine)."""
+
+    def __init__(self) -> None:
+        self.llm_engine = self
+        self.engine_core = object()  # what compat.engine_kind looks for
+        self.requests: list[int] = []
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def add_request(self, request: int) -> None:
+        self.requests.append(request)
+
+    def step(self) -> list[int]:
+        out, self.requests = self.requests, []
+        return out
+
+    def _run_engine(self) -> list[int]:
+        out: list[int] = []
+        while self.llm_engine.has_unfinished_requests():
+            out += self.llm_engine.step()
+        return out
+
+    def generate(self, n: int) -> list[int]:
+        for i in range(n):
+            self.llm_engine.add_request(i)
+        return self._run_engine()
+
+
+def test_concurrent_first_use_builds_one_gate_and_wraps_once() -> None:
+    from hotweights.engine import compat
+
+    llm = _FakeLLM()
+    original = llm.generate
+    barrier = threading.Barrier(8)
+    gates: list[ServingGate] = []
+
+    def first_use() -> None:
+        barrier.wait()
+        gates.append(compat.serving_gate(llm))
+
+    threads = [threading.Thread(target=first_use) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(5)
+    assert len({id(g) for g in gates}) == 1
+    assert llm.generate.__wrapped__ == original  # type: ignore[attr-defined]  # wrapped once, not twice
+    assert llm.generate(3) == [0, 1, 2]
+
+
+def test_a_call_that_looked_generate_up_before_the_gate_waits_for_the_install_at_its_first_request() -> None:
+    from hotweights.engine import compat
+
+    llm = _FakeLLM()
+    unwrapped = llm.generate  # looked up before hotweights saw the engine
+    gate = compat.serving_gate(llm)
+    result: list[list[int]] = []
+    with gate.installing(timeout=5.0):
+        thread = threading.Thread(target=lambda: result.append(unwrapped(2)))
+        thread.start()
+        time.sleep(0.2)
+        assert llm.requests == [] and not result  # held at add_request while the install runs
+    thread.join(5)
+    assert result == [[0, 1]]
+    with gate.installing(timeout=1.0):  # released when its _run_engine returned
+        pass
+
+
+def test_a_thread_driving_the_engine_by_hand_releases_the_gate_when_its_steps_leave_nothing_to_run() -> None:
+    from hotweights.engine import compat
+
+    llm = _FakeLLM()
+    gate = compat.serving_gate(llm)
+    llm.llm_engine.add_request(7)  # by hand: no _run_engine will follow
+    assert llm.llm_engine.step() == [7]
+    with gate.installing(timeout=1.0):  # released by the step that left the engine idle
+        pass

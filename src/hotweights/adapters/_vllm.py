@@ -14,7 +14,7 @@ from hotweights.core.errors import EngineSleepingError
 from hotweights.core.manifest import ExpectedWeights, WeightUpdateManifest
 from hotweights.core.report import PhaseTimer
 from hotweights.handles import EngineHandle, as_engine
-from hotweights.telemetry import bucket_progress
+from hotweights.telemetry import bucket_progress, logger
 from hotweights.transports import Descriptor, WeightTransport, make_transport
 
 __all__ = ["VLLMEngineAdapter", "VLLMTransportAdapter"]
@@ -34,11 +34,22 @@ class VLLMEngineAdapter(WeightInstallAdapter):
         guard_generation: bool,
     ) -> None:
         self.engine: EngineHandle = as_engine(llm)
+        if expected is None:
+            expected = self.engine.expected_weights()
+            if expected is None:  # never skipped silently
+                logger.warning(
+                    "%s: the engine's checkpoint cannot be read from here (not a local directory), so names and "
+                    "shapes are checked only by the engine itself, possibly after a partial write. Pass "
+                    "expected=ExpectedWeights(...) (e.g. WeightUpdateManifest.from_safetensors(dir).tensors) to "
+                    "validate before anything is written.",
+                    self.engine.describe(),
+                )
         super().__init__(
-            expected=expected if expected is not None else self.engine.expected_weights(),
+            expected=expected,
             prefix_cache=prefix_cache,
             lock_timeout=lock_timeout,
             gate=self.engine.gate if guard_generation else None,
+            version=self.engine.active_version,
         )
         self.llm = llm
         """The engine object this adapter was given."""

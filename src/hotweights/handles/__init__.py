@@ -39,6 +39,8 @@ def as_engine(obj: Any) -> EngineHandle:
 
 def _new_handle(obj: Any) -> EngineHandle:
     kind = compat.engine_kind(obj)
+    if kind:
+        compat.warn_untested_vllm()
     if kind == "llm":
         from hotweights.handles.llm import LLMHandle
 

@@ -10,9 +10,11 @@ the prefix cache, to record the version, and what weights it expects. One handle
 
 from __future__ import annotations
 
+import threading
 from abc import ABC, abstractmethod
 from typing import Any, ClassVar, Literal
 
+from hotweights.core.active import ActiveVersion
 from hotweights.core.gate import WriteGate
 from hotweights.core.manifest import ExpectedWeights
 from hotweights.engine.compat import WORKER_EXTENSION
@@ -31,6 +33,9 @@ weights after the install, so one response can mix two versions: only for off-po
 """
 
 
+_VERSION_LOCK = threading.Lock()
+
+
 class EngineHandle(ABC):
     """One running engine, as every adapter and transport sees it."""
 
@@ -40,6 +45,18 @@ class EngineHandle(ABC):
     pause_modes: ClassVar[tuple[PauseMode, ...]] = ("wait",)
     #: How the next install treats requests in flight (set by :meth:`set_pause_mode`).
     pause_mode: PauseMode = "wait"
+
+    @property
+    def active_version(self) -> ActiveVersion:
+        """The weight version this engine serves, shared by every adapter on it; seeded from the version the engine
+        recorded (so monotonic versions hold across adapters, ``connect()`` calls and trainer restarts)."""
+        line = self.__dict__.get("_active_version")
+        if line is None:
+            with _VERSION_LOCK:
+                line = self.__dict__.get("_active_version")
+                if line is None:
+                    line = self.__dict__["_active_version"] = ActiveVersion(self.get_weight_version)
+        return line
 
     def set_pause_mode(self, mode: PauseMode) -> None:
         """Choose how installs treat requests in flight; ValueError for a mode this engine kind cannot honour."""

@@ -26,7 +26,7 @@ import httpx
 
 from hotweights.core.errors import EngineNotSupportedError, HotWeightsError, HotWeightsTimeoutError, InstallError
 from hotweights.core.manifest import ExpectedWeights, TensorSpec, WeightUpdateManifest
-from hotweights.engine.compat import WORKER_EXTENSION
+from hotweights.engine.compat import TESTED_VLLM, WORKER_EXTENSION
 from hotweights.engine.vllm_plugin import BACKEND
 from hotweights.handles.base import EngineHandle, PauseMode
 
@@ -260,7 +260,12 @@ class RemoteHandle(EngineHandle):
         wait = None if timeout is None else timeout + 5.0  # vLLM's own timeout fires first
         answer = self._request("POST", "/collective_rpc", json_body=body, timeout=wait, what=f"worker call {method!r}")
         results = answer.get("results") if isinstance(answer, dict) else None
-        return results if isinstance(results, list) else [None] * self._num_workers
+        if not isinstance(results, list):  # never guess the workers' answers
+            raise InstallError(  # not EngineNotSupportedError: the call reached the workers, they may have written
+                f"the server answered worker call {method!r} without a list of results ({str(answer)[:200]!r}); "
+                f"it may run another vLLM than {TESTED_VLLM}: check its /collective_rpc route"
+            )
+        return results
 
     def expected_weights(self) -> ExpectedWeights | None:
         return self._expected

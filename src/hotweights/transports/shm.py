@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from hotweights.core.buckets import Bucket, byte_views, pack_into
+from hotweights.telemetry import best_effort
 from hotweights.transports.base import Descriptor, EngineLink, Stage, WeightTransport
 
 __all__ = ["REUSE_BUDGET", "SHM_DIR", "Transport", "open_bucket", "release_segments", "sweep_stale"]
@@ -242,7 +243,7 @@ class Transport(WeightTransport):
 
     def _forget(self, segments: list[_Segment]) -> None:
         if segments and self._engine is not None:
-            with contextlib.suppress(Exception):  # best effort: a worker also drops segments of dead trainers
+            with best_effort("release kept shm segments in the workers"):  # a worker also drops dead trainers' segments
                 self._engine.call("hotweights_release_segments", [seg.id for seg in segments])
 
     def send(self, bucket: Bucket, tensors: Mapping[str, torch.Tensor], stage: Stage) -> None:
