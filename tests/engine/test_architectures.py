@@ -55,10 +55,22 @@ _CELLS: dict[str, dict[str, str]] = {}
 
 
 def _record(variant: Variant, path: str, result: str) -> None:
-    _CELLS.setdefault(variant.id, {})[path] = result
+    """Note one cell; with ``$HOTWEIGHTS_MATRIX_OUT`` set, merge it into that file (a partial run keeps the rest)."""
     out = os.environ.get("HOTWEIGHTS_MATRIX_OUT")
+    if out and not _CELLS and Path(out).is_file():
+        _CELLS.update(json.loads(Path(out).read_text()))
+    _CELLS.setdefault(variant.id, {})[path] = result
     if out:
-        Path(out).write_text(json.dumps(_CELLS, indent=1, sort_keys=True))
+        Path(out).write_text(json.dumps(_CELLS, indent=1, sort_keys=True) + "\n")
+
+
+def _why(message: str) -> str:
+    """The worker's reason for a refusal, short enough for a table cell."""
+    for marker in ("cannot prove an install into this model exact: ", "mismatch(es)\n  - "):
+        if marker in message:
+            reason = message.split(marker, 1)[1]
+            return reason.split(" (", 1)[0].split(";", 1)[0].split("\n", 1)[0]
+    return message[:120]
 
 
 def checkpoint_tensors(ckpt: TinyCheckpoint) -> dict[str, torch.Tensor]:
@@ -152,8 +164,7 @@ def test_extension_every_method(
         except (WeightManifestValidationError, InstallError) as exc:  # the direct setter cannot place this model
             assert method == "direct" and "before the model was touched" in str(exc), exc
             assert greedy_vllm(llm) == a.fresh  # nothing was written
-            first = str(exc).split("\n")[1].strip(" -") if "\n" in str(exc) else str(exc)
-            _record(variant, path, f"refused before writing: {first}")
+            _record(variant, path, f"refused before writing: {_why(str(exc))}")
         else:
             _record(variant, path, "exact")
         finally:

@@ -1,6 +1,6 @@
 """install_method="auto", the default of VLLMMultiprocessAdapter and so of hotweights.install on an extension
 engine: the direct setter where the workers' plan proves it safe (Qwen2), vLLM's layerwise reload elsewhere (a
-model class off the allow-list, for real: Qwen3), forced paths, and the refusal rule on real modules."""
+model class off the allow-list, for real: Phi-3), forced paths, and the refusal rule on real modules."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import hotweights
 from hotweights import VLLMMultiprocessAdapter, WeightUpdateManifest
 from hotweights.engine import compat
 from hotweights.engine.direct import direct_refusals
-from hotweights.testing import greedy_hf, save_tiny_model
+from hotweights.testing import build_tiny_model, greedy_hf, save_tiny_model
 
 from .conftest import TinyCheckpoint, Variant, greedy_vllm, start_engine, stop_engine
 
@@ -87,26 +87,9 @@ def test_kept_segments_with_streaming_need_a_forced_direct_setter(engine: Engine
 
 
 # ------------------------------------------------------------------------------------------- the fallback, for real
-def _tiny_qwen3(seed: int) -> Any:
-    """A tiny Qwen3 (q/k norms; its vLLM class is not on the direct setter's allow-list)."""
-    from transformers import AutoModelForCausalLM, Qwen3Config
-
-    cfg = Qwen3Config(
-        hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-        intermediate_size=256, vocab_size=1000, max_position_embeddings=512, tie_word_embeddings=False,
-        bos_token_id=0, eos_token_id=1, pad_token_id=1,
-    )  # fmt: skip
-    gen = torch.Generator().manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)  # type: ignore[no-untyped-call]
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() >= 2:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
-    return model.eval()
-
-
 def test_unlisted_model_falls_back_to_reload_with_the_reason(tmp_path: Path) -> None:
-    a, b = _tiny_qwen3(1), _tiny_qwen3(2)
+    a, b = build_tiny_model("phi3", 1), build_tiny_model("phi3", 2)  # not on the allow-list (nor are its fused
+    # checkpoint tensors: a forced direct install served wrong tokens in the conformance matrix)
     want_a, want_b = greedy_hf(a), greedy_hf(b)
     assert want_a != want_b
     # In-process (starts in seconds), with the extension: the same worker methods, reached by name.
@@ -120,7 +103,7 @@ def test_unlisted_model_falls_back_to_reload_with_the_reason(tmp_path: Path) -> 
         report = adapter.install(WeightUpdateManifest.from_state_dict(sd, weight_version=1), sd)
         assert report.install_method == "reload"
         assert report.install_reason is not None
-        assert "cannot prove this model safe: model class Qwen3ForCausalLM" in report.install_reason
+        assert "cannot prove this model safe: model class Phi3ForCausalLM" in report.install_reason
         assert greedy_vllm(llm) == want_b
         refusals = direct_refusals(compat.inprocess_model(llm))
         assert len(refusals) == 1  # the model class only: all its layers are allow-listed kinds

@@ -177,8 +177,8 @@ def test_moe_experts_are_read_back_in_the_kernel_layout_and_catch_unpacked_exper
 def test_a_read_back_that_reads_nothing_says_so_and_strict_fails_closed(
     checkpoint: Callable[[Variant, int], TinyCheckpoint], caplog: pytest.LogCaptureFixture
 ) -> None:
-    """Mistral is not on the direct setter's allow-list and has no experts: on CPU nothing can be read back."""
-    variant = Variant("mistral", torch.float32, tie=False)
+    """Phi-3 is not on the direct setter's allow-list and has no experts: on CPU nothing can be read back."""
+    variant = Variant("phi3", torch.float32, tie=False)
     a, b = checkpoint(variant, 1), checkpoint(variant, 2)
     llm = start_engine(a.path, multiprocess=False, worker_extension_cls=compat.WORKER_EXTENSION)
     try:
@@ -187,7 +187,7 @@ def test_a_read_back_that_reads_nothing_says_so_and_strict_fails_closed(
             report = hotweights.install(llm, b.state_dict(), weight_version=1, verify=True, adapter=adapter)
         assert report.readback_verified == 0 and report.readback_unreadable == report.num_tensors
         assert report.readback_note and report.readback_note.startswith("nothing could be read back")
-        assert "MistralForCausalLM" in report.readback_note and "nothing could be read back" in str(report)
+        assert "Phi3ForCausalLM" in report.readback_note and "nothing could be read back" in str(report)
         assert "read nothing back" in caplog.text
         assert greedy_vllm(llm) == b.fresh
         with pytest.raises(InstallError, match=r'verify="strict": \d+ tensor\(s\) could not be read back'):

@@ -156,8 +156,10 @@ class TestPlanBuckets:
         [
             ("model.layers.12.mlp.up_proj.weight", "model.layers.12"),
             ("transformer.h.0.attn.c_attn.weight", "transformer.h.0"),
-            ("model.embed_tokens.weight", "model.embed_tokens.weight"),
-            ("lm_head.weight", "lm_head.weight"),
+            ("model.embed_tokens.weight", "model.embed_tokens"),
+            ("lm_head.weight", "lm_head"),
+            ("transformer.ln_f.bias", "transformer.ln_f"),  # with transformer.ln_f.weight: one layer
+            ("scale", "scale"),
         ],
     )
     def test_layer_key(self, name: str, key: str) -> None:

@@ -456,3 +456,13 @@ def test_forget_delta_base_and_unsupported_adapters() -> None:
 
     with pytest.raises(EngineNotSupportedError, match="does not install deltas; nothing was written"):
         _install(Plain(), a, 1, delta=True)
+
+
+def test_a_layer_outside_the_numbered_blocks_is_reinstalled_whole() -> None:
+    """GPT-2's final LayerNorm: only its bias changed, yet its weight goes too (vLLM's layerwise reload rebuilds a
+    layer whole; the weight alone left out was uninitialised memory: wrong tokens, measured in the matrix)."""
+    from hotweights.core.delta import reinstall_names
+
+    names = ["transformer.wte.weight", "transformer.h.0.ln_1.weight", "transformer.ln_f.weight"]
+    names.append("transformer.ln_f.bias")
+    assert reinstall_names(["transformer.ln_f.bias"], names) == ["transformer.ln_f.weight", "transformer.ln_f.bias"]

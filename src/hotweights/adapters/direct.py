@@ -10,7 +10,15 @@ from hotweights.core.errors import EngineNotSupportedError
 from hotweights.core.manifest import ExpectedWeights, WeightUpdateManifest
 from hotweights.core.report import PhaseTimer
 from hotweights.engine import compat
-from hotweights.engine.direct import DirectPlan, ParamSlot, apply_direct, describe_model, plan_direct, verify_readback
+from hotweights.engine.direct import (
+    DirectPlan,
+    ParamSlot,
+    apply_direct,
+    describe_model,
+    plan_direct,
+    refuse_unproven,
+    verify_readback,
+)
 
 __all__ = ["VLLMDirectSetterAdapter"]
 
@@ -76,7 +84,10 @@ class VLLMDirectSetterAdapter(VLLMEngineAdapter):
         Raises:
             WeightManifestValidationError: listing every tensor with no parameter, a wrong shape, or a repacked
                 fused parameter that would get only some of its parts.
+            EngineNotSupportedError: the model is not one the direct setter's rule proves (see
+                :func:`~hotweights.engine.direct.direct_refusals`).
         """
+        refuse_unproven(self.model)
         if self._slots is None:
             self._slots = describe_model(self.model)
         ignored = self.expected.ignored if self.expected is not None else {}

@@ -71,12 +71,15 @@ def default_bucket_bytes(preferred: int = MAX_DEFAULT_BUCKET_BYTES) -> int:
 
 def layer_key(name: str) -> str:
     """The transformer block a checkpoint name belongs to: the prefix through its first numeric component
-    (``model.layers.3.mlp.up_proj.weight`` -> ``model.layers.3``); names outside numbered blocks are their own."""
+    (``model.layers.3.mlp.up_proj.weight`` -> ``model.layers.3``); a name outside numbered blocks belongs to its
+    module (``transformer.ln_f.bias`` -> ``transformer.ln_f``), so a layer's weight and bias stay together (vLLM's
+    layerwise reload rebuilds a layer whole: a layer given only some of its tensors keeps uninitialised memory in
+    the others)."""
     parts = name.split(".")
     for i, part in enumerate(parts):
         if part.isdigit():
             return ".".join(parts[: i + 1])
-    return name
+    return name.rpartition(".")[0] or name
 
 
 def plan_buckets(

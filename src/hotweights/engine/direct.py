@@ -18,7 +18,7 @@ from weakref import WeakKeyDictionary
 
 import torch
 
-from hotweights.core.errors import Mismatch, WeightManifestValidationError
+from hotweights.core.errors import EngineNotSupportedError, Mismatch, WeightManifestValidationError
 from hotweights.core.manifest import TensorSpec
 from hotweights.core.placement import ParamKind, Placement, TargetParam, place
 from hotweights.engine.worker_ops import refresh_tied_layers
@@ -32,6 +32,7 @@ __all__ = [
     "direct_refusals",
     "model_slots",
     "plan_direct",
+    "refuse_unproven",
     "verify_readback",
 ]
 
@@ -319,9 +320,11 @@ def _needs_reprocessing(modules: Iterable[torch.nn.Module]) -> list[Any]:
 
 # ---------------------------------------------------------------------------------------------- when it is safe
 #: Model classes whose ``load_weights`` only renames checkpoint tensors and stacks q/k/v and gate/up (what the
-#: plan reproduces): checked against vLLM 0.32, tested HF-equal (tied/untied, LoRA, TP=2). A model whose loader
-#: permutes, transposes or splits a tensor differently (e.g. a Mistral-format checkpoint) is not on the list.
-DIRECT_SAFE_MODELS = frozenset({"Qwen2ForCausalLM", "LlamaForCausalLM"})
+#: plan reproduces): checked against vLLM 0.32 and tested HF-equal: Qwen2 and Llama (tied/untied, LoRA, TP=2), Qwen3
+#: (tied/untied) and Mistral by the conformance matrix (tests/engine/test_architectures.py). Mistral's loader permutes
+#: only Mistral-format names (``wq``/``wk``), which have no slot in the plan: such an update is refused by the plan.
+#: Forced direct installs into Phi-3 (fused checkpoint tensors) and Gemma 2 served wrong tokens: not on the list.
+DIRECT_SAFE_MODELS = frozenset({"Qwen2ForCausalLM", "LlamaForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM"})
 #: Quant methods that keep the checkpoint values as they are. On CPU ``UnquantizedLinearMethod`` packs the weight
 #: into a oneDNN handle, which :func:`apply_direct` rebuilds by re-running its ``process_weights_after_loading``.
 DIRECT_SAFE_QUANT_METHODS = frozenset({"UnquantizedLinearMethod", "UnquantizedEmbeddingMethod"})
@@ -382,6 +385,18 @@ def direct_refusals(model: torch.nn.Module) -> tuple[str, ...]:
     return result
 
 
+def refuse_unproven(model: torch.nn.Module) -> None:
+    """Raise before any write when :func:`direct_refusals` finds a reason: a direct install into a model the rule
+    cannot prove served wrong tokens silently (measured: Phi-3, Gemma 2)."""
+    refusals = direct_refusals(model)
+    if refusals:
+        more = f" (+{len(refusals) - 1} more)" if len(refusals) > 1 else ""
+        raise EngineNotSupportedError(
+            f"the direct setter cannot prove an install into this model exact: {refusals[0]}{more}; nothing was "
+            "written. Use install_method='auto' (it falls back to vLLM's layerwise reload) or 'reload'."
+        )
+
+
 def choose_method(
     get_model: Callable[[], torch.nn.Module], specs: Mapping[str, TensorSpec], method: str
 ) -> tuple[DirectPlan | None, str, str]:
@@ -395,9 +410,8 @@ def choose_method(
         return None, "reload", "install_method='reload' was asked for"
     model = get_model()
     if method == "direct":
-        refusals = direct_refusals(model)
-        caveat = f" (the safety rule would refuse it: {refusals[0]})" if refusals else ""
-        return plan_direct(model_slots(model), specs), "direct", f"install_method='direct' was asked for{caveat}"
+        refuse_unproven(model)
+        return plan_direct(model_slots(model), specs), "direct", "install_method='direct' was asked for"
     if method != "auto":
         raise ValueError(f"unknown install method {method!r}; use 'auto', 'direct' or 'reload'")
     refusals = direct_refusals(model)
