@@ -155,3 +155,21 @@ def test_a_thread_driving_the_engine_by_hand_releases_the_gate_when_its_steps_le
     assert llm.llm_engine.step() == [7]
     with gate.installing(timeout=1.0):  # released by the step that left the engine idle
         pass
+
+
+def test_holds_released_out_of_order_leave_the_thread_counted_again() -> None:
+    """A request added by hand, then a generate call: the generate's ``_run_engine`` releases the earlier hold
+    before the generate's own. Afterwards this thread's calls must enter the gate again, not pass through."""
+    from hotweights.engine import compat
+
+    llm = _FakeLLM()
+    gate = compat.serving_gate(llm)
+    llm.llm_engine.add_request(0)  # by hand: holds the gate
+    assert llm.generate(2) == [0, 0, 1]
+    assert getattr(gate._local, "depth", 0) == 0
+    with gate.installing(timeout=1.0):
+        blocked = threading.Thread(target=lambda: llm.generate(1))
+        blocked.start()
+        time.sleep(0.1)
+        assert blocked.is_alive()  # another thread waits for the install
+    blocked.join(5)

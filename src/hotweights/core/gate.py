@@ -90,7 +90,7 @@ class ServingGate:
             try:
                 yield
             finally:
-                self._local.depth = depth
+                self._local.depth = max(0, self._local.depth - 1)  # holds may be released out of order
             return
         with self._cond:
             if not self._cond.wait_for(lambda: not self._installing and not self._waiting_installs, timeout):
@@ -98,11 +98,11 @@ class ServingGate:
             if self.refusal is not None:
                 raise PartialUpdateError(self.refusal)
             self._serving += 1
-        self._local.depth = 1
+        self._local.depth = getattr(self._local, "depth", 0) + 1
         try:
             yield
         finally:
-            self._local.depth = 0
+            self._local.depth = max(0, self._local.depth - 1)
             with self._cond:
                 self._serving -= 1
                 self._cond.notify_all()

@@ -256,9 +256,10 @@ def serving_gate(llm: Any) -> ServingGate:
     The methods are wrapped on this ``LLM`` instance only (``llm.generate`` etc.), so that a generation call in
     one thread and an install in another never overlap. A call that had already looked the method up before the
     gate existed is caught where it adds its requests: ``llm.llm_engine.add_request`` enters the gate too, and a
-    thread that entered it there holds it until its ``_run_engine`` returns (its requests run on one version).
-    Requests driven through ``llm.llm_engine`` directly never enter it: an install also waits until the engine has
-    no unfinished requests. Idempotent.
+    thread that entered it there holds it until its ``_run_engine`` returns (its requests run on one version), or,
+    stepping ``llm.llm_engine`` by hand, until a step leaves the engine with nothing to run. Requests already
+    running when the gate is made are waited for: an install also waits until the engine has no unfinished
+    requests. Idempotent.
     """
     gate = getattr(llm, "_hotweights_gate", None)
     if isinstance(gate, ServingGate):
