@@ -207,3 +207,28 @@ def test_with_the_worker_extension(loop: EventLoopThread, checkpoint: Callable[[
         assert our_shm() == []
     finally:
         engine.shutdown()
+
+
+@pytest.mark.matrix
+@pytest.mark.parametrize("extension", [False, True], ids=["zero-config", "extension"])
+def test_moe_async_llm_a_to_b_to_a(
+    loop: EventLoopThread, checkpoint: Callable[[Variant, int], TinyCheckpoint], extension: bool
+) -> None:
+    """Qwen3-MoE on an AsyncLLM: the trainer's fused experts, through vLLM's own reload (mended by hotweights'
+    plugin in the engine's processes) and through the extension (``make test-matrix``)."""
+    moe = Variant("qwen3_moe", torch.float32, tie=False)
+    a, b = checkpoint(moe, 1), checkpoint(moe, 2)
+    kwargs = {"worker_extension_cls": hotweights.WORKER_EXTENSION} if extension else {}
+    engine = loop.call(start_async_engine, a.path, **kwargs)
+    try:
+        eng = Async(loop, engine, a, b)
+        assert a.fresh != b.fresh and eng.greedy() == a.fresh
+        report = eng.install(b)
+        assert report.adapter == ("multiprocess-shm" if extension else "weights-path")
+        assert eng.greedy() == b.fresh
+        eng.install(a)
+        assert eng.greedy() == a.fresh
+    finally:
+        engine.shutdown()
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    assert our_shm() == []
