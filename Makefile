@@ -4,7 +4,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.hotweights-installed
 EXTRAS ?= cpu,dev,trl,docs
 
-.PHONY: setup test test-slow test-matrix demo bench lint clean
+.PHONY: setup test test-slow test-matrix soak demo bench lint clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -31,6 +31,11 @@ test-matrix: $(STAMP)
 ## long profile: the fuzz suite at 10,000 examples per property (~10 min on 2 cores), incl. its slow-marked check
 test-slow: $(STAMP)
 	HYPOTHESIS_PROFILE=slow $(PY) -m pytest -p no:cacheprovider -m "slow or not slow" tests/unit/test_fuzz.py
+
+## the soak benchmark's short profile (~2 min on 2 cores; CI runs it): 100 installs into a multiprocess LLM while a
+## thread generates, and install_async into a serving AsyncLLM; fails on a mixed output, an untyped error or growth
+soak: $(STAMP)
+	PYTHONFAULTHANDLER=1 timeout 900 $(PY) benchmarks/soak.py --profile ci
 
 demo: $(STAMP)
 	$(PY) examples/demo.py

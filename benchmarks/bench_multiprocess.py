@@ -1,7 +1,8 @@
 """Multiprocess install speed: hotweights' transports (shm, bytes, collective) vs. the in-process adapter, a
 per-tensor RPC loop and a plain ``torch.copy_``, plus the extra memory one shm install needs.
 
-Per model ("150m": ~150M-param fp32 Qwen2, 147 tensors; "many": 291 small tensors) it builds two checkpoints
+Per model ("150m": ~150M-param fp32 Qwen2, 147 tensors; "many": 291 small tensors; "moe100m": a 107M-param
+Qwen3-MoE with 8 experts, beside the dense model of the same size) it builds two checkpoints
 (seeds 1, 2), times the in-process adapter on an in-process engine, then starts ONE multiprocess engine (with
 hotweights' worker extension) and times ``VLLMMultiprocessAdapter`` per transport, alternating A/B installs
 (one untimed warm-up, then ``--repeats`` timed; medians). After the last shm install of B it compares greedy
@@ -13,7 +14,7 @@ built-in ``reload_weights(weights_path=...)`` from a private /dev/shm checkpoint
 plain ``LLM``) and ``hotweights.install_async`` into an ``AsyncLLM`` (with and without the extension), and how long a
 request in flight waits for an install under ``pause="wait"``.
 
-Run: ``.venv/bin/python benchmarks/bench_multiprocess.py [--models 150m,many] [--repeats 3] [--size tiny]``.
+Run: ``.venv/bin/python benchmarks/bench_multiprocess.py [--models 150m,many,moe100m] [--repeats 3] [--size tiny]``.
 ``--size tiny`` is a quick smoke run (under 90 s; only the "many" model unless ``--models`` is given).
 """
 
@@ -44,6 +45,7 @@ from hotweights import (
     WeightUpdateManifest,
 )
 from hotweights.core.buckets import Bucket, plan_buckets
+from hotweights.core.names import to_checkpoint
 from hotweights.testing import PROMPTS, build_tiny_model, greedy_hf, greedy_vllm, start_engine, stop_engine
 from hotweights.transports import Stage, make_transport
 from hotweights.transports.shm import SHM_DIR
@@ -59,7 +61,16 @@ MODELS: dict[str, dict[str, dict[str, Any]]] = {
         "tiny": {},  # the testing defaults: hidden 128, 2 layers, vocab 1000
     },
     "many": {"full": {"layers": 24}, "tiny": {"layers": 6}},  # hidden 128, 12 tensors per layer
-}
+    # Qwen3-MoE, 8 experts (top 2) of width 1024 in each of 4 layers: 107M parameters, 0.43 GB fp32 (as in
+    # bench_default.py); the trainer's fused experts are mapped to per-expert checkpoint names (views)
+    "moe100m": {
+        "full": {
+            "arch": "qwen3_moe", "hidden": 768, "layers": 4, "heads": 12, "kv_heads": 4, "experts": 8,
+            "moe_intermediate": 1024, "vocab": 16000,
+        },
+        "tiny": {"arch": "qwen3_moe"},
+    },
+}  # fmt: skip
 IN_PROCESS = "in-process adapter"
 ZERO_CONFIG = "zero-config: vLLM reload_weights(weights_path), /dev/shm checkpoint"
 KEPT_DIRECT = "multiprocess shm, kept segments, direct setter"
@@ -208,14 +219,19 @@ def report_memory(name: str, adapter: VLLMMultiprocessAdapter, sd: StateDict, ve
 # ---------------------------------------------------------------------------------------------- the benchmark
 def bench_model(name: str, size: str, repeats: int, tmp: Path) -> tuple[list[Row], bool]:
     """Rows for one model and whether greedy tokens after the shm install of B equal HF's on B."""
-    models = tuple(build_tiny_model("qwen2", seed=s, **MODELS[name][size]) for s in (1, 2))
-    pair = tuple({k: v.detach().clone() for k, v in m.state_dict().items()} for m in models)
+    config = dict(MODELS[name][size])
+    arch = config.pop("arch", "qwen2")
+    models = tuple(build_tiny_model(arch, seed=s, **config) for s in (1, 2))
+    path = tmp / name
+    models[0].save_pretrained(path, safe_serialization=True)  # engines start on A; B is only installed
+    expected = WeightUpdateManifest.from_safetensors(path, weight_version=0).tensors
+    pair = tuple(  # MoE: the fused experts as per-expert checkpoint views
+        dict(to_checkpoint([(k, v.detach().clone()) for k, v in m.state_dict().items()], expected)[0]) for m in models
+    )
     assert len(pair) == 2
     nbytes = sum(t.nbytes for t in pair[0].values())
     params = sum(p.numel() for p in models[0].parameters())
     print(f"\n== {name}: {params / 1e6:.1f}M params, {len(pair[0])} tensors, {nbytes / 1e6:.1f} MB fp32", flush=True)
-    path = tmp / name
-    models[0].save_pretrained(path, safe_serialization=True)  # engines start on A; B is only installed
     rows: list[Row] = []
     run = Installer()
 
@@ -416,7 +432,9 @@ def table(rows: list[Row]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", help="comma-separated: 150m, many (default: both; 'many' with --size tiny)")
+    parser.add_argument(
+        "--models", help="comma-separated: 150m, many, moe100m (default: 150m,many; 'many' with --size tiny)"
+    )
     parser.add_argument("--repeats", type=int, default=3, help="timed installs per method (median reported)")
     parser.add_argument("--size", choices=["full", "tiny"], default="full", help="'tiny': quick smoke run")
     args = parser.parse_args()

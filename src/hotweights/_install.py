@@ -12,6 +12,7 @@ from hotweights.adapters.inprocess import VLLMInProcessWeightReloadAdapter
 from hotweights.adapters.multiprocess import VLLMMultiprocessAdapter
 from hotweights.adapters.native import VLLMWeightTransferAdapter
 from hotweights.adapters.weights_path import VLLMWeightsPathAdapter
+from hotweights.core.cast import Cast
 from hotweights.core.errors import EngineNotSupportedError
 from hotweights.core.layout import WeightLayout
 from hotweights.core.manifest import MetadataValue, TensorsLike, WeightUpdateManifest, _as_items
@@ -78,6 +79,7 @@ def install(
     adapter: WeightInstallAdapter | None = None,
     delta: bool = False,
     verify: bool | Literal["strict"] | None = None,
+    cast: Cast | None = None,
 ) -> InstallReport:
     """Install ``tensors`` (checkpoint format, or ``model.state_dict()`` as transformers holds it) into a running
     engine.
@@ -104,6 +106,10 @@ def install(
             read-back that compared nothing is logged and said in ``report.readback_note``. ``"strict"``: any
             tensor not read back is an :class:`InstallError` (fail closed). Fused-MoE experts are read back in the
             kernel's own layout on CPU.
+        cast: ``torch.bfloat16`` (any floating-point dtype) or ``"engine"`` (the dtype the engine expects for each
+            tensor): floating-point tensors of another dtype, e.g. a trainer's fp32 master weights, are cast as
+            they are sent, bucket by bucket (never a second copy of the model); ``report.cast_tensors`` counts
+            them. Without it a dtype that differs from the engine's is refused before anything is written.
         delta: send only what changed since the version this adapter last installed into this engine: unchanged
             tensors are skipped, tensors with few changed elements go as indices + values (see ``docs/delta.md``).
             The first ``delta=True`` install sends everything (``report.delta == "full"``) and from then on the
@@ -130,7 +136,9 @@ def install(
             "`report = await hotweights.install_async(engine, tensors, weight_version=step)`"
         )
     args = (engine, tensors, weight_version, update_id, layout, metadata)
-    return _install(*args, force=force, digests=digests, pause=pause, adapter=adapter, delta=delta, verify=verify)
+    return _install(
+        *args, force=force, digests=digests, pause=pause, adapter=adapter, delta=delta, verify=verify, cast=cast
+    )
 
 
 async def install_async(
@@ -147,6 +155,7 @@ async def install_async(
     adapter: WeightInstallAdapter | None = None,
     delta: bool = False,
     verify: bool | Literal["strict"] | None = None,
+    cast: Cast | None = None,
 ) -> InstallReport:
     """:func:`install` for async code: same arguments, report and errors; works on any engine, and is the way to
     install into an ``AsyncLLM`` (await it on the loop the engine runs on).
@@ -169,8 +178,9 @@ async def install_async(
         handle.bind(asyncio.get_running_loop(), pause)
     args = (engine, tensors, weight_version, update_id, layout, metadata)
     return await asyncio.to_thread(
-        _install, *args, force=force, digests=digests, pause=pause, adapter=adapter, delta=delta, verify=verify
-    )
+        _install, *args, force=force, digests=digests, pause=pause, adapter=adapter, delta=delta, verify=verify,
+        cast=cast,
+    )  # fmt: skip
 
 
 def _install(
@@ -187,6 +197,7 @@ def _install(
     adapter: WeightInstallAdapter | None,
     delta: bool = False,
     verify: bool | Literal["strict"] | None = None,
+    cast: Cast | None = None,
 ) -> InstallReport:
     handle: EngineHandle = as_engine(engine)
     if adapter is not None and getattr(adapter, "engine", handle) is not handle:
@@ -199,4 +210,4 @@ def _install(
     manifest = WeightUpdateManifest.from_state_dict(
         items, weight_version=weight_version, update_id=update_id, layout=layout, metadata=metadata, digests=digests
     )
-    return chosen.install(manifest, items, force=force, delta=delta, verify=verify)
+    return chosen.install(manifest, items, force=force, delta=delta, verify=verify, cast=cast)

@@ -91,10 +91,10 @@ def test_failed_reload_fails_closed_then_heals(
     adapter = hotweights.adapter_for(llm)
     version = adapter.active_weight_version or 0
 
-    def garbage(tensors: dict[str, torch.Tensor], path: str) -> None:
-        Path(path).write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not a header}")
+    def garbage(path: Path, items: object) -> None:
+        path.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not a header}")
 
-    monkeypatch.setattr(weights_path, "save_file", garbage)
+    monkeypatch.setattr(weights_path, "_write_safetensors", garbage)
     with pytest.raises(InstallError, match="failed while writing"):
         hotweights.install(llm, b.state_dict(), weight_version=version + 1)
     assert our_shm() == []

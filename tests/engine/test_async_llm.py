@@ -177,10 +177,10 @@ def test_bad_update_writes_nothing(plain: Async) -> None:
 
 
 def test_failed_write_resumes_fails_closed_then_heals(plain: Async, monkeypatch: pytest.MonkeyPatch) -> None:
-    def garbage(tensors: dict[str, torch.Tensor], path: str) -> None:
-        Path(path).write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not a header}")
+    def garbage(path: Path, items: object) -> None:
+        path.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not a header}")
 
-    monkeypatch.setattr(weights_path, "save_file", garbage)
+    monkeypatch.setattr(weights_path, "_write_safetensors", garbage)
     with pytest.raises(InstallError, match="failed while writing"):
         plain.install(plain.a)
     plain.version -= 1  # not installed: the same version is accepted next
@@ -205,6 +205,14 @@ def test_with_the_worker_extension(loop: EventLoopThread, checkpoint: Callable[[
         ext.install(a)
         assert ext.greedy() == a.hf
         assert our_shm() == []
+        # Paused by someone else: vLLM says "sleeping", the workers say their weights are awake, so the install goes
+        # on under that pause and leaves it (before: EngineSleepingError)
+        loop.run(engine.pause_generation(mode="wait"))
+        assert loop.run(engine.is_sleeping()) is True
+        report = ext.install(b)
+        assert loop.run(engine.is_paused()) is True  # left as it was found
+        loop.run(engine.resume_generation())
+        assert ext.greedy() == b.hf and ext.engine_version() == str(report.weight_version)
     finally:
         engine.shutdown()
 

@@ -19,6 +19,7 @@ from hotweights import (
 )
 from hotweights.engine import compat
 from hotweights.engine.worker_ops import reload_checkpoint_tensors
+from hotweights.testing import build_tiny_model
 
 from .conftest import PROMPTS, TinyCheckpoint, Variant, greedy_vllm, start_engine, stop_engine
 
@@ -104,6 +105,25 @@ def test_stale_version_refused_unless_forced(engine: Engine) -> None:
     report = engine.adapter.install(WeightUpdateManifest.from_state_dict(sd, weight_version=active), sd, force=True)
     assert report.weight_version == active
     assert engine.outputs() == engine.b.fresh
+
+
+def test_fp32_master_weights_cast_into_a_bf16_engine(engine: Engine) -> None:
+    """A trainer's fp32 weights into a bf16 engine: refused naming the opt-in, exact with cast=torch.bfloat16."""
+    if engine.b.variant.dtype != torch.bfloat16:
+        pytest.skip("the bf16 engine of this module")
+    variant = engine.b.variant  # B's bf16 checkpoint is this model cast: build_tiny_model builds in fp32
+    master = dict(build_tiny_model(variant.arch, engine.b.seed, tie=variant.tie).state_dict())
+    engine.install(engine.a)
+    with pytest.raises(WeightManifestValidationError, match='cast="engine"'):
+        hotweights.install(engine.llm, master, weight_version=engine.version(), adapter=engine.adapter)
+    assert engine.outputs() == engine.a.fresh  # nothing was written
+    report = hotweights.install(
+        engine.llm, master, weight_version=engine.version(), adapter=engine.adapter, cast=torch.bfloat16
+    )
+    assert report.cast_tensors == len(master) - 1  # every floating tensor but the tied head (skipped)
+    assert engine.outputs() == engine.b.fresh  # a fresh bf16 engine on B (B's bf16 checkpoint is B.to(bf16))
+    engine.install(engine.a)
+    assert engine.outputs() == engine.a.fresh
 
 
 def _bad_updates(

@@ -10,6 +10,7 @@ import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import httpx
 
@@ -72,6 +73,9 @@ class Server:
         return out
 
 
+S = TypeVar("S", bound=Server)
+
+
 def start_server(model: Path, log: Path, setup: str = "extension", uds: Path | None = None) -> Server:
     """Start a server on an ephemeral loopback port (or the Unix socket ``uds``) and wait until it serves
     ``/v1/models``."""
@@ -82,13 +86,18 @@ def start_server(model: Path, log: Path, setup: str = "extension", uds: Path | N
     with log.open("wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     server = Server(proc, f"unix://{uds}" if uds else f"http://127.0.0.1:{port}", str(model), log)
+    return serving(server, "vllm serve")
+
+
+def serving(server: S, what: str) -> S:
+    """``server`` once it serves ``/v1/models`` (through its own :meth:`Server.client`); killed if it never does."""
     deadline = time.monotonic() + START_TIMEOUT
     while time.monotonic() < deadline:
         if not server.alive():
-            raise RuntimeError(f"vllm serve exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
+            raise RuntimeError(f"{what} exited with {server.proc.returncode}:\n{server.log.read_text()[-3000:]}")
         with contextlib.suppress(httpx.HTTPError), server.client(timeout=2.0) as client:
             if client.get("/v1/models").is_success:
                 return server
         time.sleep(0.5)
     server.kill()
-    raise RuntimeError(f"vllm serve did not come up within {START_TIMEOUT} s:\n{log.read_text()[-3000:]}")
+    raise RuntimeError(f"{what} did not come up within {START_TIMEOUT} s:\n{server.log.read_text()[-3000:]}")

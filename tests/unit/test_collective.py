@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -11,8 +12,9 @@ from typing import Any
 import pytest
 import torch
 
-from hotweights import HotWeightsTimeoutError, WeightUpdateManifest
+from hotweights import HotWeightsError, HotWeightsTimeoutError, InstallError, WeightUpdateManifest
 from hotweights.core.buckets import plan_buckets, unpack
+from hotweights.engine.staging import StagingArea
 from hotweights.transports import EngineLink
 from hotweights.transports import collective as coll
 
@@ -111,3 +113,150 @@ def test_everything_listens_on_loopback_only() -> None:
         )
     finally:
         transport.close()
+
+
+# ---------------------------------------------------------------------------------------- failures (issue #18)
+def _one_bucket(shape: tuple[int, ...] = (4, 4)) -> tuple[dict[str, torch.Tensor], WeightUpdateManifest, Any]:
+    sd = {"a": torch.randn(*shape)}
+    manifest = WeightUpdateManifest.from_state_dict(sd, weight_version=1)
+    return sd, manifest, plan_buckets(manifest)[0]
+
+
+def _stager(engine: ThreadEngine, manifest: WeightUpdateManifest, bucket: Any) -> Any:
+    """A stage call into a real staging area that expects ``manifest`` (it refuses a bucket that does not fit)."""
+    area = StagingArea(engine.worker)
+    update_id = area.begin(manifest.to_json())
+    return lambda d: area.stage(update_id, bucket.model_dump_json(), d)
+
+
+def _broadcasts_left() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith("hotweights-broadcast")]
+
+
+def test_refused_stage_fails_send_at_once_with_the_workers_message() -> None:
+    sd, _, bucket = _one_bucket()
+    _, engine_manifest, _ = _one_bucket((2, 2))  # the engine expects other shapes: refused before receiving
+    engine = ThreadEngine()
+    transport = coll.Transport(timeout=30)
+    transport.connect(engine)
+    start = time.monotonic()
+    with pytest.raises(InstallError, match=r"refused before receiving.*dropped \(out of step\)") as info:
+        transport.send(bucket, sd, _stager(engine, engine_manifest, bucket))
+    assert time.monotonic() - start < 5
+    assert isinstance(info.value.__cause__, ValueError)
+    assert "the manifest says 16" in str(info.value)
+    assert not _broadcasts_left()  # the workers dropped their end: the trainer's broadcast ended too
+    transport.close()
+
+
+def test_typed_stage_error_is_raised_as_it_is() -> None:
+    sd, _, bucket = _one_bucket()
+    engine = ThreadEngine()
+    transport = coll.Transport(timeout=30)
+    transport.connect(engine)
+
+    def stage(descriptor: Any) -> None:
+        raise HotWeightsTimeoutError("waited 5 s for worker call 'hotweights_stage'")
+
+    start = time.monotonic()
+    with pytest.raises(HotWeightsTimeoutError, match="hotweights_stage"):
+        transport.send(bucket, sd, stage)
+    assert time.monotonic() - start < 5
+    coll.close_group(engine.worker)  # the workers may still be busy: the trainer left them alone; end it here
+    transport.close()
+
+
+def test_stage_answered_without_receiving_fails_fast() -> None:
+    sd, _, bucket = _one_bucket()
+    transport = coll.Transport(timeout=30)
+    transport.connect(ThreadEngine())
+    start = time.monotonic()
+    with pytest.raises(InstallError, match="without receiving its broadcast"):
+        transport.send(bucket, sd, lambda d: None)  # e.g. hotweights_install's {"refused": ...} answer
+    assert time.monotonic() - start < 5
+    transport.close()
+
+
+def test_send_after_a_failure_reconnects_instead_of_broadcasting_out_of_step() -> None:
+    sd, manifest, bucket = _one_bucket()
+    _, engine_manifest, _ = _one_bucket((2, 2))
+    engine = ThreadEngine()
+    transport = coll.Transport(timeout=5)
+    transport.connect(engine)
+    with pytest.raises(HotWeightsError):
+        transport.send(bucket, sd, _stager(engine, engine_manifest, bucket))
+    received: dict[str, torch.Tensor] = {}
+    transport.send(
+        bucket, sd, lambda d: received.update(unpack(coll.open_bucket(d, engine.worker)[0], bucket, manifest))
+    )
+    assert torch.equal(received["a"], sd["a"])
+    assert engine.calls.count("hotweights_init_communicator") == 2  # a fresh rendezvous, not the stale group
+    transport.send(bucket, sd, _stager(engine, manifest, bucket))  # and it stays in step
+    assert engine.calls.count("hotweights_init_communicator") == 2
+    transport.close()
+
+
+class RefusingEngine(ThreadEngine):
+    """Its worker's rank does not fit the group: the worker refuses to join."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.worker.rank = 5
+
+
+def test_connect_surfaces_the_workers_join_error() -> None:
+    transport = coll.Transport(timeout=3)
+    start = time.monotonic()
+    with pytest.raises(InstallError, match=r"could not join.*group rank 6 does not fit world_size 2") as info:
+        transport.connect(RefusingEngine())
+    assert time.monotonic() - start < 2
+    assert isinstance(info.value.__cause__, ValueError)
+    for thread in threading.enumerate():  # the trainer's side waits for the missing rank until its timeout
+        if thread.name.startswith("hotweights-rendezvous"):
+            thread.join(10)
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        ({"host": ""}, "host must be"),
+        ({"port": 0}, "port must be an integer in \\[1, 65535\\]"),
+        ({"port": 70000}, "port must be"),
+        ({"port": "29500"}, "port must be"),
+        ({"world_size": 1}, "world_size must be an integer in \\[2, 4097\\]"),
+        ({"world_size": 5000}, "world_size must be"),
+        ({"world_size": True}, "world_size must be"),
+        ({"backend": "mpi"}, "use 'gloo' \\(CPU\\) or 'nccl' \\(GPU\\)"),
+        ({"timeout": 0}, "timeout must be a positive number"),
+        ({"timeout": -1.0}, "timeout must be a positive number"),
+        ({"timeout": float("nan")}, "timeout must be a positive number"),
+        ({"timeout": "60"}, "timeout must be a positive number"),
+    ],
+)
+def test_worker_refuses_bad_arguments(change: dict[str, Any], match: str) -> None:
+    args: dict[str, Any] = {"host": "127.0.0.1", "port": 1, "world_size": 2, "backend": "gloo", "timeout": 1.0}
+    with pytest.raises(ValueError, match=match):
+        coll.init_worker_group(FakeWorker(), **{**args, **change})
+
+
+def test_worker_caps_the_timeout(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: list[float] = []
+    monkeypatch.setattr(coll, "create_group", lambda *args: seen.append(args[-1]) or object())
+    monkeypatch.delenv("HOTWEIGHTS_MAX_RPC_TIMEOUT", raising=False)
+    coll.init_worker_group(FakeWorker(), "127.0.0.1", 1, 2, "gloo", 1e9)
+    coll.init_worker_group(FakeWorker(), "127.0.0.1", 1, 2, "gloo", float("inf"))
+    coll.init_worker_group(FakeWorker(), "127.0.0.1", 1, 2, "gloo", 30)
+    monkeypatch.setenv("HOTWEIGHTS_MAX_RPC_TIMEOUT", "5")
+    coll.init_worker_group(FakeWorker(), "127.0.0.1", 1, 2, "gloo", 60)
+    assert seen == [coll.MAX_TIMEOUT_S, coll.MAX_TIMEOUT_S, 30.0, 5.0]
+    monkeypatch.setenv("HOTWEIGHTS_MAX_RPC_TIMEOUT", "soon")
+    with pytest.raises(ValueError, match="HOTWEIGHTS_MAX_RPC_TIMEOUT must be a positive number"):
+        coll.init_worker_group(FakeWorker(), "127.0.0.1", 1, 2, "gloo", 60)
+
+
+@pytest.mark.parametrize("nbytes", [-1, "4", True, 2.0, None])
+def test_open_bucket_refuses_a_bad_byte_count(nbytes: Any) -> None:
+    worker = FakeWorker()
+    worker._hotweights_group = (object(), "gloo")  # type: ignore[attr-defined]
+    with pytest.raises(ValueError, match="non-negative integer 'nbytes'"):
+        coll.open_bucket({"transport": "collective", "nbytes": nbytes}, worker)

@@ -8,21 +8,29 @@ import sys
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
-from hotweights.adapters.weights_path import _host_tensors
+from hotweights.adapters.weights_path import _write_safetensors
+from hotweights.core.cast import CastItems
 from hotweights.transports.shm import SHM_DIR, sweep_stale
 
 
-def test_host_tensors_are_contiguous_cpu_and_never_share_storage(tmp_path: Path) -> None:
+def test_the_checkpoint_written_is_what_safetensors_and_vllm_read(tmp_path: Path) -> None:
     base = torch.arange(12.0).reshape(3, 4)
-    items = [("w.t", base.t()), ("a", base), ("b", base)]  # a transposed view, and two names on one storage
-    out = _host_tensors(items)
-    assert all(t.is_contiguous() for t in out.values())
-    assert out["a"].untyped_storage().data_ptr() != out["b"].untyped_storage().data_ptr()
-    save_file(out, str(tmp_path / "model.safetensors"))  # safetensors refuses shared or strided tensors
+    items = [("w.t", base.t()), ("a", base), ("b", base), ("h", base.to(torch.bfloat16)), ("e", torch.zeros(0))]
+    _write_safetensors(tmp_path / "model.safetensors", items)  # a transposed view, two names on one storage
     loaded = load_file(str(tmp_path / "model.safetensors"))
-    assert torch.equal(loaded["w.t"], base.t()) and torch.equal(loaded["b"], base)
+    assert sorted(loaded) == sorted(n for n, _ in items)
+    for name, tensor in items:
+        assert loaded[name].dtype == tensor.dtype and torch.equal(loaded[name], tensor)
+
+
+def test_a_cast_update_is_written_in_the_engine_dtype_one_tensor_at_a_time(tmp_path: Path) -> None:
+    tensors = [("w", torch.randn(8, 8)), ("ids", torch.arange(4))]
+    _write_safetensors(tmp_path / "model.safetensors", CastItems(tensors, {"w": torch.bfloat16}))
+    loaded = load_file(str(tmp_path / "model.safetensors"))
+    assert loaded["w"].dtype == torch.bfloat16 and torch.equal(loaded["w"], tensors[0][1].to(torch.bfloat16))
+    assert torch.equal(loaded["ids"], tensors[1][1])
 
 
 def test_a_dead_trainers_checkpoint_directory_is_swept() -> None:

@@ -10,7 +10,7 @@ import torch
 
 from hotweights.adapters.base import Items, PrefixCachePolicy, WeightInstallAdapter
 from hotweights.core.buckets import Bucket, default_bucket_bytes, plan_buckets
-from hotweights.core.errors import EngineSleepingError
+from hotweights.core.errors import EngineSleepingError, engine_refusal
 from hotweights.core.manifest import ExpectedWeights, WeightUpdateManifest
 from hotweights.core.report import PhaseTimer
 from hotweights.handles import EngineHandle, as_engine
@@ -56,7 +56,7 @@ class VLLMEngineAdapter(WeightInstallAdapter):
 
     def _validate(
         self, manifest: WeightUpdateManifest, items: Items, force: bool
-    ) -> tuple[list[tuple[str, torch.Tensor]], list[tuple[str, str]]]:
+    ) -> tuple[Items, list[tuple[str, str]]]:
         if self.engine.is_sleeping():  # its weights may be offloaded or discarded: writing them crashes the engine
             raise EngineSleepingError(
                 f"the engine ({self.engine.describe()}) is asleep, so its weights cannot be written; nothing was "
@@ -128,7 +128,15 @@ class VLLMTransportAdapter(VLLMEngineAdapter):
         return self.engine.num_workers
 
     def call(self, method: str, *args: Any) -> list[Any]:
-        return self.engine.call(method, *args, timeout=self.rpc_timeout)
+        """EngineLink: the worker method ``method`` on every worker; a manifest a worker refused comes back as
+        :class:`WeightManifestValidationError` (nothing was written)."""
+        try:
+            return self.engine.call(method, *args, timeout=self.rpc_timeout)
+        except Exception as exc:
+            refusal = engine_refusal(exc)
+            if refusal is None:
+                raise
+            raise refusal from exc
 
     @staticmethod
     def _sent_manifest(manifest: WeightUpdateManifest, tensors: Mapping[str, torch.Tensor]) -> WeightUpdateManifest:

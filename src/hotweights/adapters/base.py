@@ -18,6 +18,7 @@ from typing import Any, ClassVar, Literal
 import torch
 
 from hotweights.core.active import ActiveVersion
+from hotweights.core.cast import Cast, CastItems, cast_targets, item_names
 from hotweights.core.delta import DeltaBase, EncodedDelta, StagedDelta
 from hotweights.core.errors import (
     DeltaBaseMismatchError,
@@ -127,6 +128,7 @@ class WeightInstallAdapter(ABC):
         force: bool = False,
         delta: bool = False,
         verify: bool | Literal["strict"] | None = None,
+        cast: Cast | None = None,
     ) -> InstallReport:
         """Validate ``tensors`` against ``manifest`` and the engine, install them, and report.
 
@@ -143,6 +145,10 @@ class WeightInstallAdapter(ABC):
                 :mod:`hotweights.core.delta`); the first such install sends everything and keeps a host copy to
                 diff against (``report.delta == "full"``). Raises :class:`DeltaBaseMismatchError` when the engine
                 serves another version than that copy.
+            cast: a floating-point dtype (e.g. ``torch.bfloat16``) or ``"engine"`` (the dtype the engine expects for
+                each tensor): floating-point tensors of another dtype are cast as they are sent, bucket by bucket
+                (never a second copy of the update); ``report.cast_tensors`` counts them. ``manifest`` describes
+                ``tensors`` as given. None (default): a dtype that differs from the engine's is refused.
 
         Raises:
             WeightManifestValidationError: names, shapes or dtypes do not match (every mismatch listed);
@@ -166,15 +172,17 @@ class WeightInstallAdapter(ABC):
                     "verify=True and delta=True do not combine yet (a delta install reinstalls only the "
                     "touched blocks); nothing was written. Install with one of them."
                 )
-            return log_report(self._install_locked(manifest, _as_items(tensors), force, delta))
+            return log_report(self._install_locked(manifest, _as_items(tensors), force, delta, cast))
         finally:
             self._lock.release()
 
     def _install_locked(
-        self, manifest: WeightUpdateManifest, items: Items, force: bool, delta: bool = False
+        self, manifest: WeightUpdateManifest, items: Items, force: bool, delta: bool = False, cast: Cast | None = None
     ) -> InstallReport:
         timer = PhaseTimer()
         with timer("validate"):
+            if cast is not None:
+                manifest, items = self._cast(manifest, items, cast)
             send, skipped = self._validate(manifest, items, force)
             refusal = self._delta_refusal() if delta else None
             if refusal is not None:
@@ -184,6 +192,17 @@ class WeightInstallAdapter(ABC):
         self._may_have_written = False
         with ExitStack() as self._writing:  # holds the gate from the first write until the cache is reset
             return self._commit(manifest, send, skipped, timer, encoded, delta)
+
+    def _cast(self, manifest: WeightUpdateManifest, items: Items, cast: Cast) -> tuple[WeightUpdateManifest, CastItems]:
+        """Check ``items`` against the caller's ``manifest``, then both as the engine will receive them (cast
+        lazily, see :mod:`hotweights.core.cast`)."""
+        problems = manifest.mismatches(items)
+        if not problems and manifest.has_digests:
+            problems += manifest.digest_mismatches(items)
+        if problems:
+            raise WeightManifestValidationError(problems)
+        lazy = CastItems(items, cast_targets(manifest, cast, self.expected))
+        return lazy.manifest(manifest), lazy
 
     def _encode_delta(
         self, manifest: WeightUpdateManifest, send: Items, timer: PhaseTimer
@@ -257,6 +276,7 @@ class WeightInstallAdapter(ABC):
             ) from exc
         path, self._path = self._path, None
         previous = self.active_weight_version
+        nbytes = sum(manifest.tensors[n].expected_nbytes for n in item_names(send))
         if delta is not None and self._delta_base is not None:
             self._delta_base.commit(delta[1])
         elif self._delta_tracking:
@@ -285,7 +305,7 @@ class WeightInstallAdapter(ABC):
             previous_version=previous,
             adapter=self.label,
             num_tensors=len(send),
-            num_bytes=sum(t.nbytes for _, t in send),
+            num_bytes=nbytes,
             skipped=tuple(f"{n}: {why}" for n, why in skipped),
             prefix_cache_reset=reset,
             engine_weight_version=engine_version,
@@ -296,7 +316,8 @@ class WeightInstallAdapter(ABC):
             readback_unreadable=int(summary.get("readback_unreadable", 0)) if self._verify_now else None,
             readback_note=self._readback_note(summary) if self._verify_now else None,
             phases=timer.phases,
-            bytes_sent=delta[0].bytes_sent if delta is not None else sum(t.nbytes for _, t in send),
+            bytes_sent=delta[0].bytes_sent if delta is not None else nbytes,
+            cast_tensors=send.cast_tensors if isinstance(send, CastItems) else 0,
             delta="applied" if delta is not None else "full" if delta_asked else "off",
             delta_changed=len(delta[0].manifest.entries) if delta is not None else 0,
         )
@@ -315,22 +336,24 @@ class WeightInstallAdapter(ABC):
 
     def _validate(
         self, manifest: WeightUpdateManifest, items: Items, force: bool
-    ) -> tuple[list[tuple[str, torch.Tensor]], list[tuple[str, str]]]:
+    ) -> tuple[Items, list[tuple[str, str]]]:
         manifest.layout.validate_supported(self.formats, self.sharded)
         active = self.active_weight_version
         if active is not None and manifest.weight_version <= active and not force:
             raise StaleWeightVersionError(manifest.weight_version, active)
-        problems = manifest.mismatches(items)
+        checked = isinstance(items, CastItems)  # by _cast, against the caller's own manifest and bytes
+        problems = [] if checked else manifest.mismatches(items)
         if self.expected is not None:
             problems += self.expected.mismatches(manifest)
-        if not problems and self.verifies_digests_locally and manifest.has_digests:
+        if not problems and not checked and self.verifies_digests_locally and manifest.has_digests:
             problems += manifest.digest_mismatches(items)
         if problems:
             raise WeightManifestValidationError(problems)
         ignored = self.expected.ignored if self.expected is not None else {}
-        send = [(n, t) for n, t in items if n not in ignored]
-        skipped = [(n, ignored[n]) for n, _ in items if n in ignored]
-        return send, skipped
+        skipped = [(n, ignored[n]) for n in item_names(items) if n in ignored]
+        if isinstance(items, CastItems):
+            return items.without(ignored), skipped
+        return [(n, t) for n, t in items if n not in ignored], skipped
 
     def _serving(self) -> str:
         v = self.active_weight_version

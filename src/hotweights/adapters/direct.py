@@ -6,6 +6,7 @@ from typing import Any
 
 from hotweights.adapters._vllm import VLLMEngineAdapter
 from hotweights.adapters.base import Items, PrefixCachePolicy
+from hotweights.core.cast import lazy_mapping
 from hotweights.core.errors import EngineNotSupportedError
 from hotweights.core.manifest import ExpectedWeights, WeightUpdateManifest
 from hotweights.core.report import PhaseTimer
@@ -98,12 +99,12 @@ class VLLMDirectSetterAdapter(VLLMEngineAdapter):
             plan = self.plan(manifest)
         self._begin_writing(timer)
         with timer("install"):
-            apply_direct(self.model, plan, dict(items))
+            apply_direct(self.model, plan, lazy_mapping(items))
         self._ran("direct", "VLLMDirectSetterAdapter writes the parameters in place")
         if not self._verify_now:
             return self._digests(manifest)
         with timer("verify"):
-            verified, unreadable, bad = verify_readback(self.model, plan, dict(items))
+            verified, unreadable, bad = verify_readback(self.model, plan, lazy_mapping(items))
         if bad:
             raise ValueError(
                 f"readback after the install: {len(bad)} tensor(s) in the live parameters differ from what the "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from typing import Any, cast
 
 import torch
@@ -10,13 +11,16 @@ import torch
 from hotweights.adapters._vllm import VLLMTransportAdapter
 from hotweights.adapters.base import Items, PrefixCachePolicy
 from hotweights.core.buckets import Bucket, plan_buckets
+from hotweights.core.cast import lazy_mapping
 from hotweights.core.delta import EncodedDelta, StagedDelta
 from hotweights.core.errors import (
     DeltaBaseMismatchError,
     EngineNotSupportedError,
+    InstallError,
     Mismatch,
     MismatchKind,
     WeightManifestValidationError,
+    engine_refusal,
 )
 from hotweights.core.manifest import ExpectedWeights, WeightUpdateManifest
 from hotweights.core.report import PhaseTimer
@@ -197,7 +201,7 @@ class VLLMMultiprocessAdapter(VLLMTransportAdapter):
         return {"digests_verified": min(int(s.get("digests_verified", 0)) for s in summaries)}
 
     def _install_in_one_call(
-        self, sent: WeightUpdateManifest, tensors: dict[str, torch.Tensor], bucket: Bucket, timer: PhaseTimer
+        self, sent: WeightUpdateManifest, tensors: Mapping[str, torch.Tensor], bucket: Bucket, timer: PhaseTimer
     ) -> list[dict[str, Any]]:
         """An atomic update that fits in one bucket, into a local engine with one worker: the worker begins, stages
         and installs it in one RPC (``hotweights_install``) once the trainer has written it, saving two round trips
@@ -222,18 +226,21 @@ class VLLMMultiprocessAdapter(VLLMTransportAdapter):
                 except EngineNotSupportedError:
                     self._untouched()  # refused by the engine handle before the call left this process
                     raise
+            refused = [str(s["refused"]) for s in summaries if "refused" in s]
+            if refused:  # raised here, so a transport waiting on the worker stops at once
+                self._untouched()  # the worker refused it before installing: nothing to recover
+                raise engine_refusal(refused[0]) or InstallError(
+                    f"the engine's worker refused update {sent.update_id} (v{sent.weight_version}) before installing "
+                    f"it: {refused[0]}. Nothing was written; fix the cause and install again."
+                )
 
         self.transport.send(bucket, tensors, deliver)
-        refused = [str(s["refused"]) for s in summaries if "refused" in s]
-        if refused:
-            self._untouched()  # the worker refused it before installing: nothing to recover
-            raise RuntimeError(refused[0])
         return summaries
 
     def _install(self, manifest: WeightUpdateManifest, items: Items, timer: PhaseTimer) -> dict[str, Any]:
         if self._verify_now and self.commit == "streaming":
             raise ValueError("verify=True needs commit='atomic': a streaming install keeps no copy of what it wrote")
-        tensors = dict(items)
+        tensors = lazy_mapping(items)
         sent = self._sent_manifest(manifest, tensors)
         streaming = self.commit == "streaming"
 

@@ -7,7 +7,8 @@ from typing import Any
 from hotweights.adapters._vllm import VLLMTransportAdapter
 from hotweights.adapters.base import Items, PrefixCachePolicy
 from hotweights.core.buckets import Bucket
-from hotweights.core.errors import EngineNotSupportedError
+from hotweights.core.cast import lazy_mapping
+from hotweights.core.errors import EngineNotSupportedError, engine_refusal
 from hotweights.core.manifest import ExpectedWeights, WeightUpdateManifest
 from hotweights.core.report import PhaseTimer
 from hotweights.engine.vllm_plugin import BACKEND
@@ -70,7 +71,13 @@ class VLLMWeightTransferAdapter(VLLMTransportAdapter):
         )
 
     def _rpc(self, method: str, **kwargs: Any) -> list[Any]:
-        return self.engine.call(method, timeout=self.rpc_timeout, kwargs=kwargs or None)
+        try:
+            return self.engine.call(method, timeout=self.rpc_timeout, kwargs=kwargs or None)
+        except Exception as exc:
+            refusal = engine_refusal(exc)  # a manifest a worker refused at its first bucket: nothing was written
+            if refusal is None:
+                raise
+            raise refusal from exc
 
     def call(self, method: str, *args: Any) -> list[Any]:
         """EngineLink: the collective transport's rendezvous goes through ``init_weight_transfer_engine``."""
@@ -83,7 +90,7 @@ class VLLMWeightTransferAdapter(VLLMTransportAdapter):
         raise ValueError(f"{method!r} has no vLLM weight-transfer equivalent")
 
     def _install(self, manifest: WeightUpdateManifest, items: Items, timer: PhaseTimer) -> dict[str, int]:
-        tensors = dict(items)
+        tensors = lazy_mapping(items)
         sent = self._sent_manifest(manifest, tensors)
 
         def stage(bucket: Bucket, descriptor: Descriptor) -> None:

@@ -2,19 +2,21 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import struct
 import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
 
 from hotweights.adapters._vllm import VLLMEngineAdapter
 from hotweights.adapters.base import Items, PrefixCachePolicy
+from hotweights.core.cast import CastItems
 from hotweights.core.errors import EngineNotSupportedError
-from hotweights.core.manifest import ExpectedWeights, WeightUpdateManifest
+from hotweights.core.manifest import _ST_DTYPES, ExpectedWeights, WeightUpdateManifest, dtype_from_str
 from hotweights.core.report import PhaseTimer
 from hotweights.engine import compat
 from hotweights.transports.shm import SHM_DIR, sweep_stale
@@ -78,7 +80,7 @@ class VLLMWeightsPathAdapter(VLLMEngineAdapter):
         directory = Path(tempfile.mkdtemp(prefix=f"hotweights-{os.getpid()}-ckpt-", dir=SHM_DIR))
         try:
             with timer("pack"):
-                save_file(_host_tensors(items), str(directory / CHECKPOINT_FILE))
+                _write_safetensors(directory / CHECKPOINT_FILE, items)
             self._begin_writing(timer)
             with timer("install"):
                 self.engine.call(
@@ -106,15 +108,34 @@ class VLLMWeightsPathAdapter(VLLMEngineAdapter):
             )
 
 
-def _host_tensors(items: Items) -> dict[str, torch.Tensor]:
-    """Contiguous CPU tensors, none sharing storage with another (safetensors refuses shared storage)."""
-    out: dict[str, torch.Tensor] = {}
-    seen: set[int] = set()
-    for name, tensor in items:
-        t = tensor.detach().to("cpu").contiguous()
-        ptr = t.untyped_storage().data_ptr()
-        if ptr in seen and t.numel():
-            t = t.clone()
-        seen.add(ptr)
-        out[name] = t
-    return out
+def _write_safetensors(path: Path, items: Items) -> None:
+    """``items`` as one safetensors file, written tensor by tensor: a tensor (cast, moved to the host or made
+    contiguous where needed) is dropped once its bytes are written, so the update is never held twice."""
+    header: dict[str, dict[str, Any]] = {}
+    offset = 0
+    for name, tensor in _described(items):
+        n = tensor.numel() * tensor.dtype.itemsize
+        header[name] = {
+            "dtype": _ST_NAMES[tensor.dtype],
+            "shape": list(tensor.shape),
+            "data_offsets": [offset, offset + n],
+        }
+        offset += n
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)  # the data starts 8-byte aligned
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(blob)) + blob)
+        for _, tensor in items:
+            host = tensor.detach().to("cpu").contiguous()
+            if host.numel():
+                f.write(memoryview(host.reshape(-1).view(torch.uint8).numpy()))  # type: ignore[arg-type]
+
+
+def _described(items: Items) -> list[tuple[str, torch.Tensor]]:
+    """Name and a meta tensor of each item's dtype and shape, without reading (casting) the data."""
+    if isinstance(items, CastItems):
+        return [(n, torch.empty(t.shape, dtype=items.targets.get(n, t.dtype), device="meta")) for n, t in items.source]
+    return [(n, t.to("meta")) for n, t in items]
+
+
+_ST_NAMES = {dtype_from_str(torch_name): st for st, torch_name in _ST_DTYPES.items()}

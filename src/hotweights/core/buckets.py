@@ -145,7 +145,7 @@ def _span(sizes: Iterable[int]) -> int:
     return used
 
 
-def pack_into(buffer: torch.Tensor, bucket: Bucket, tensors: dict[str, torch.Tensor]) -> None:
+def pack_into(buffer: torch.Tensor, bucket: Bucket, tensors: Mapping[str, torch.Tensor]) -> None:
     """Copy each tensor of ``bucket`` into the flat ``uint8`` ``buffer`` at its offset (one copy, any device)."""
     for e in bucket.entries:
         src = tensors[e.name]
@@ -177,7 +177,8 @@ def byte_views(bucket: Bucket, tensors: Mapping[str, torch.Tensor]) -> list[memo
 def bucket_problems(bucket: Bucket, manifest: WeightUpdateManifest, size: int) -> list[str]:
     """Every way ``bucket`` (received into ``size`` bytes) disagrees with the manifest; empty when it fits.
 
-    Checked before a receiver allocates or reads anything: a bucket can only claim bytes the manifest accounts for.
+    Checked before a receiver allocates or reads anything: a bucket can only claim bytes the manifest accounts for
+    (its tensors, packed as :func:`plan_buckets` packs them, with alignment padding only).
     """
     problems = []
     if not bucket.entries:
@@ -190,6 +191,8 @@ def bucket_problems(bucket: Bucket, manifest: WeightUpdateManifest, size: int) -
         spec = manifest.tensors.get(e.name)
         if e.offset < end and e.nbytes:
             problems.append(f"{e.name!r} at byte {e.offset} overlaps the previous tensor (ends at {end})")
+        elif e.offset > _align(end):  # only alignment padding between tensors: a bucket claims no other bytes
+            problems.append(f"{e.name!r} at byte {e.offset} leaves a gap after byte {end} (packed: {_align(end)})")
         end = max(end, e.offset + e.nbytes)
         if e.name in seen:
             problems.append(f"{e.name!r} appears twice in the bucket")

@@ -19,9 +19,12 @@ Every message says what to do next.
 
 from __future__ import annotations
 
+import base64
+import json
+import re
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Literal
+from dataclasses import asdict, dataclass
+from typing import Literal, cast
 
 __all__ = [
     "DeltaBaseMismatchError",
@@ -35,6 +38,7 @@ __all__ = [
     "StaleWeightVersionError",
     "UnsupportedLayoutError",
     "WeightManifestValidationError",
+    "engine_refusal",
 ]
 
 MismatchKind = Literal["missing", "unexpected", "shape", "dtype", "nbytes", "not_tensor", "manifest", "digest", "delta"]
@@ -67,7 +71,8 @@ _HINTS: dict[str, str] = {
     "missing": "send every tensor the engine expects (or build the manifest from the same tensors you send)",
     "unexpected": "drop tensors the engine does not have, or check their names are in checkpoint (HF) format",
     "shape": "send full, unsharded checkpoint-format tensors with the shapes the model was built with",
-    "dtype": "cast to the engine's dtype first, e.g. tensor.to(torch.bfloat16)",
+    "dtype": 'pass cast="engine" to install (floating tensors are cast bucket by bucket as they are sent), or cast '
+    "them yourself first, e.g. tensor.to(torch.bfloat16)",
     "nbytes": "make the tensor contiguous and check its dtype and shape",
     "not_tensor": "pass torch.Tensor values",
     "manifest": "fix the manifest fields named above",
@@ -83,7 +88,7 @@ class WeightManifestValidationError(HotWeightsError):
     ``mismatches`` lists every difference found, not just the first.
     """
 
-    def __init__(self, mismatches: Sequence[Mismatch], context: str = "weight update") -> None:
+    def __init__(self, mismatches: Sequence[Mismatch], context: str = "weight update", *, wire: bool = False) -> None:
         self.mismatches: tuple[Mismatch, ...] = tuple(mismatches)
         kinds = sorted({m.kind for m in self.mismatches})
         lines = [f"{context} refused, nothing was written: {len(self.mismatches)} mismatch(es)"]
@@ -91,7 +96,33 @@ class WeightManifestValidationError(HotWeightsError):
         if len(self.mismatches) > 50:
             lines.append(f"  ... and {len(self.mismatches) - 50} more (see .mismatches)")
         lines += [f"  fix ({k}): {_HINTS[k]}" for k in kinds]
+        if wire:  # raised in an engine process: the trainer rebuilds this error from the text (engine_refusal)
+            data = json.dumps([asdict(m) for m in self.mismatches[:1000]], separators=(",", ":")).encode()
+            lines.append(f"  [{_WIRE}{base64.urlsafe_b64encode(data).decode()}]")
         super().__init__("\n".join(lines))
+
+
+_WIRE = "hotweights-mismatches:"
+_WIRE_RE = re.compile(re.escape(_WIRE) + r"([A-Za-z0-9_=-]+)")
+_KINDS = frozenset(MismatchKind.__args__)  # type: ignore[attr-defined]
+
+
+def engine_refusal(error: BaseException | str) -> WeightManifestValidationError | None:
+    """The :class:`WeightManifestValidationError` an engine's worker raised, rebuilt from the text of the error
+    that came back through vLLM's RPC (or a remote server's reply); None when the text carries none."""
+    found = _WIRE_RE.search(str(error))
+    if found is None:
+        return None
+    try:
+        rows = json.loads(base64.urlsafe_b64decode(found.group(1)))
+        problems = [
+            Mismatch(cast(MismatchKind, r["kind"]), str(r["name"]), str(r["expected"]), str(r["actual"]))
+            for r in rows
+            if r.get("kind") in _KINDS
+        ]
+    except (ValueError, TypeError, KeyError, AttributeError):
+        return None
+    return WeightManifestValidationError(problems, context="weight update (checked by the engine's worker)")
 
 
 class UnsupportedLayoutError(HotWeightsError):

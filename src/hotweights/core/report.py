@@ -64,6 +64,9 @@ class InstallReport(BaseModel):
     ``"off"``: a plain full install."""
     delta_changed: int = 0
     """Tensors that changed since the delta's base (``delta="applied"``); the others were not sent."""
+    cast_tensors: int = 0
+    """``install(..., cast=...)`` only: tensors cast to the engine's dtype on the way in (``num_bytes`` counts them
+    after the cast)."""
 
     @model_validator(mode="before")
     @classmethod
@@ -122,6 +125,8 @@ class InstallReport(BaseModel):
             "seconds": seconds,
             "gbps": self.gbps if seconds > 0 else None,
         }
+        if self.cast_tensors:
+            flat["cast_tensors"] = self.cast_tensors
         if self.delta != "off":  # delta installs add what was sent (a full install sends num_bytes)
             flat.update({"bytes_sent": self.bytes_sent, "delta": self.delta, "delta_changed": self.delta_changed})
         flat.update({f"phase/{name}_s": s for name, s in self.phases.items()})
@@ -136,6 +141,8 @@ class InstallReport(BaseModel):
             )
         elif self.delta == "full":
             phases += "; delta: sent in full (no base to diff against yet)"
+        if self.cast_tensors:
+            phases += f"; {self.cast_tensors} tensors cast on the way in"
         return (
             f"installed v{self.weight_version} ({self.num_tensors} tensors, {self.num_bytes / 1e6:.1f} MB) via "
             f"{self.adapter}{self._path_text()} in {self.seconds:.3f} s ({self.gbps:.2f} GB/s): {phases}"

@@ -7,9 +7,9 @@ so ``import hotweights`` stays cheap and works without vLLM.
 from __future__ import annotations
 
 import functools
+import logging
 import threading
-from collections.abc import Sequence
-from pathlib import Path
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -17,24 +17,31 @@ import torch
 from hotweights.core.errors import EngineNotSupportedError, HotWeightsTimeoutError
 from hotweights.core.gate import ServingGate
 
+_log = logging.getLogger("hotweights")
+
 __all__ = [
     "GENERATION_METHODS",
     "VLLM_FIXES",
     "WORKER_EXTENSION",
     "apply_vllm_fixes",
     "clear_kv_cache_inprocess",
+    "config_ties_embeddings",
     "engine_dtype",
     "engine_kind",
+    "engine_load_config",
     "engine_mode",
-    "engine_model_dir",
+    "engine_model_config",
     "engine_weight_version",
     "has_unfinished_requests",
     "inprocess_model",
     "is_sleeping",
     "num_workers",
+    "on_shutdown",
     "reload_weights",
     "reset_prefix_cache",
     "rpc",
+    "scheduler_paused",
+    "serialize_core_sends",
     "serving_gate",
     "set_engine_weight_version",
     "tie_word_embeddings",
@@ -42,6 +49,7 @@ __all__ = [
     "vllm_fixes_reach_workers",
     "warn_untested_vllm",
     "weight_transfer_backend",
+    "weights_asleep_here",
     "weights_asleep_inprocess",
     "worker_extension",
 ]
@@ -131,6 +139,61 @@ def weights_asleep_inprocess(llm: Any) -> bool | None:
     return "weights" in tags if isinstance(tags, set) else None
 
 
+def serialize_core_sends(llm: Any) -> bool:
+    """Make the sends of a multiprocess ``LLM``'s core client thread-safe (once per engine): an install's calls
+    (``is_sleeping``, ``collective_rpc``: utility messages) and another thread's ``generate`` (``add_request``)
+    share one zmq socket, and two threads sending on it at once abort the process (``Assertion failed:
+    !_current_out (src/router.cpp:166)``). True when the client's sends are now serialised."""
+    client = _llm_engine(llm).engine_core
+    send = getattr(client, "_send_input", None)
+    if not callable(send) or type(client).__name__ == "InprocClient":
+        return False
+    if getattr(send, "__hotweights_lock__", None) is not None:
+        return True
+    with _GATE_LOCK:
+        send = client._send_input
+        if getattr(send, "__hotweights_lock__", None) is not None:
+            return True
+        lock = threading.Lock()
+
+        @functools.wraps(send)
+        def locked(*args: Any, **kwargs: Any) -> Any:
+            with lock:
+                return send(*args, **kwargs)
+
+        locked.__hotweights_lock__ = lock  # type: ignore[attr-defined]
+        client._send_input = locked
+    return True
+
+
+def scheduler_paused(llm: Any) -> bool | None:
+    """Whether the engine's scheduler is paused (``sleep(level=0)``, ``pause_generation``), asked of the engine
+    core itself; None where it cannot be asked."""
+    client = _llm_engine(llm).engine_core
+    inner = getattr(client, "engine_core", None)  # InprocClient -> EngineCore
+    try:
+        if inner is not None and callable(getattr(inner, "is_scheduler_paused", None)):
+            return bool(inner.is_scheduler_paused())
+        if callable(getattr(client, "call_utility", None)):  # a core in another process: a utility call
+            return bool(client.call_utility("is_scheduler_paused"))
+    except Exception:
+        _log.debug("hotweights: the engine core did not say whether it is paused", exc_info=True)
+    return None
+
+
+def weights_asleep_here() -> bool:
+    """Engine side: whether vLLM's sleep mode holds this process's weights offloaded or discarded (its CuMem
+    allocator keeps them asleep); False where that allocator was never used (CPU, no sleep mode)."""
+    try:
+        from vllm.device_allocator.cumem import CuMemAllocator
+    except Exception:  # no CUDA build: no sleep mode here
+        return False
+    allocator = getattr(CuMemAllocator, "instance", None)
+    if allocator is None:
+        return False
+    return any(d.is_asleep and d.tag == "weights" for d in getattr(allocator, "pointer_to_data", {}).values())
+
+
 def _model_config(llm: Any) -> Any:
     return _llm_engine(llm).model_config
 
@@ -142,19 +205,56 @@ def engine_dtype(llm: Any) -> torch.dtype:
     return dtype
 
 
-def engine_model_dir(llm: Any) -> Path | None:
-    """Local directory the engine loaded its model from, when there is one."""
-    path = Path(str(_model_config(llm).model))
-    return path if path.is_dir() else None
+def engine_model_config(llm: Any) -> Any:
+    """vLLM's ``ModelConfig`` of the engine (``model``, ``revision``, ``dtype``, ``hf_text_config``)."""
+    return _model_config(llm)
 
 
-def tie_word_embeddings(llm: Any) -> bool:
+def engine_load_config(llm: Any) -> Any:
+    """vLLM's ``LoadConfig`` of the engine (``download_dir``), or None where the engine keeps none."""
+    return getattr(getattr(_llm_engine(llm), "vllm_config", None), "load_config", None)
+
+
+def config_ties_embeddings(model_config: Any) -> bool:
     """Whether ``lm_head`` shares the input embedding (its checkpoint then has no ``lm_head.weight``)."""
-    cfg = _model_config(llm)
-    for c in (getattr(cfg, "hf_text_config", None), getattr(cfg, "hf_config", None)):
+    for c in (getattr(model_config, "hf_text_config", None), getattr(model_config, "hf_config", None)):
         if c is not None and getattr(c, "tie_word_embeddings", None) is not None:
             return bool(c.tie_word_embeddings)
     return False
+
+
+def tie_word_embeddings(llm: Any) -> bool:
+    """:func:`config_ties_embeddings` of ``llm``'s model."""
+    return config_ties_embeddings(_model_config(llm))
+
+
+def on_shutdown(llm: Any, callback: Callable[[], object]) -> bool:
+    """Run ``callback()`` once the engine's core client has shut down (``llm.llm_engine.engine_core.shutdown()``,
+    what ``AsyncLLM.shutdown()`` and vLLM's finalizers call); False where the engine has no such client."""
+    core: Any = getattr(_llm_engine(llm), "engine_core", None)
+    shutdown = getattr(core, "shutdown", None)
+    if core is None or not callable(shutdown):
+        return False
+    callbacks: list[Callable[[], object]] | None = getattr(core, "_hotweights_on_shutdown", None)
+    if callbacks is None:
+        pending: list[Callable[[], object]] = []
+
+        @functools.wraps(shutdown)
+        def shutdown_then_release(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return shutdown(*args, **kwargs)
+            finally:
+                while pending:
+                    done = pending.pop()
+                    try:
+                        done()
+                    except Exception:  # the engine is gone either way: say so, never raise from its shutdown
+                        _log.warning("hotweights: a clean-up after the engine shut down failed", exc_info=True)
+
+        core.shutdown = shutdown_then_release
+        core._hotweights_on_shutdown = callbacks = pending
+    callbacks.append(callback)
+    return True
 
 
 def reload_weights(llm: Any, items: Sequence[tuple[str, torch.Tensor]], timeout: float | None = None) -> None:
@@ -166,7 +266,7 @@ def reload_weights(llm: Any, items: Sequence[tuple[str, torch.Tensor]], timeout:
     """
     from hotweights.engine.worker_ops import reload_checkpoint_tensors
 
-    llm.collective_rpc(reload_checkpoint_tensors, timeout=timeout, args=(list(items),))
+    llm.collective_rpc(reload_checkpoint_tensors, timeout=timeout, args=(items,))
 
 
 def clear_kv_cache_inprocess(llm: Any) -> int:

@@ -9,6 +9,7 @@ then closes the stream).
 from __future__ import annotations
 
 import logging
+import reprlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -18,6 +19,7 @@ import torch
 
 from hotweights.core.buckets import Bucket, bucket_problems, unpack
 from hotweights.core.manifest import WeightUpdateManifest
+from hotweights.engine.expected import check_manifest
 from hotweights.transports import engine_side
 
 if TYPE_CHECKING:
@@ -59,10 +61,16 @@ class StagingArea:
         self.owner = owner
         self.session: InstallSession | None = None
 
-    def begin(self, manifest_json: str, stream: Callable[[WeightUpdateManifest], Stream] | None = None) -> str:
+    def begin(
+        self, manifest_json: str, stream: Callable[[WeightUpdateManifest], Stream] | None = None, *, check: bool = True
+    ) -> str:
         """Open a session (streaming into ``stream(manifest)`` when given); one left open (e.g. by a crashed
-        trainer) is dropped first."""
+        trainer) is dropped first. A manifest that differs from the checkpoint the owner serves is refused here
+        (:func:`~hotweights.engine.expected.check_manifest`); ``check=False`` for a delta's wire tensors (indices
+        and values, checked against the worker's copy by the delta session)."""
         manifest = WeightUpdateManifest.from_json(manifest_json)
+        if check:  # against the checkpoint this worker serves, before anything is received
+            check_manifest(self.owner, manifest)
         if self.session is not None:
             log.warning("hotweights: dropping unfinished update %s", self.session.manifest.update_id)
             self.abort()
@@ -87,7 +95,7 @@ class StagingArea:
             ) from None
         nbytes = descriptor.get("nbytes") if isinstance(descriptor, dict) else None
         if not isinstance(nbytes, int) or isinstance(nbytes, bool):
-            got = f"{descriptor!r:.120}"
+            got = reprlib.repr(descriptor)  # bounded: a caller's descriptor may be huge or deeply nested
             raise ValueError(f"malformed descriptor: expected a dict with an integer 'nbytes', got {got}")
         # Bound everything by the manifest before the transport allocates or reads a byte.
         problems = bucket_problems(bucket, session.manifest, nbytes)
@@ -96,7 +104,7 @@ class StagingArea:
             raise ValueError(f"bucket {bucket.index} refused before receiving: " + "; ".join(problems))
         try:
             buffer, keepalive = engine_side(descriptor)(descriptor, self.owner)
-        except (KeyError, TypeError, AttributeError, OverflowError) as exc:
+        except (KeyError, TypeError, AttributeError, OverflowError, AssertionError, RuntimeError) as exc:
             name = descriptor.get("transport")
             raise ValueError(f"malformed {name!r} descriptor: {type(exc).__name__}: {exc}") from None
         tensors = dict(unpack(buffer, bucket, session.manifest, checked=True))

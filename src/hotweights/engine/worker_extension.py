@@ -54,6 +54,8 @@ class HotWeightsWorkerExtension:
 
         if commit not in ("atomic", "streaming"):
             raise ValueError(f"unknown commit mode {commit!r}; use 'atomic' or 'streaming'")
+        if method not in ("auto", "reload", "direct"):
+            raise ValueError(f"unknown install method {method!r}; use 'auto', 'direct' or 'reload'")
         chosen: list[Any] = []
 
         def choose(manifest: WeightUpdateManifest) -> tuple[DirectPlan | None, str, str]:
@@ -71,8 +73,6 @@ class HotWeightsWorkerExtension:
             return update_id
         from hotweights.engine.streaming import open_stream
 
-        delta_state.forget(self)  # a streaming install writes as it receives: the delta copy cannot follow it
-
         if method != "auto":  # a forced method: the stream plans (or refuses) itself
             chosen[:] = [None, method, f"install_method={method!r} was asked for"]
         update_id = self._hotweights.begin(
@@ -80,6 +80,7 @@ class HotWeightsWorkerExtension:
         )
         session = self._hotweights.current(update_id)
         session.method, session.method_reason = chosen[1], chosen[2]
+        delta_state.forget(self)  # a streaming install writes as it receives: the delta copy cannot follow it
         return update_id
 
     def hotweights_stage(self, update_id: str, bucket_json: str, descriptor: dict[str, Any]) -> int:
@@ -248,6 +249,26 @@ class HotWeightsWorkerExtension:
         from hotweights.transports.shm import release_segments
 
         return release_segments(self, ids)
+
+    def hotweights_weights_asleep(self) -> bool:
+        """Whether vLLM's sleep mode holds this worker's weights offloaded or discarded (a paused scheduler alone
+        does not): an install must not write them."""
+        from hotweights.engine.compat import weights_asleep_here
+
+        return weights_asleep_here()
+
+    def hotweights_pause_owner(self, action: str = "read", owner: str = "") -> str:
+        """The record of the hotweights install that paused this engine (``""``: none), as
+        :class:`~hotweights.handles.pause.PauseOwner` JSON. ``action="claim"`` stores ``owner`` instead,
+        ``"release"`` clears it; either returns the record it replaced."""
+        if action not in ("read", "claim", "release"):
+            raise ValueError(f"unknown action {action!r}; use 'read', 'claim' or 'release'")
+        if len(owner) > 1024:
+            raise ValueError("a pause owner record is at most 1024 characters")
+        was = str(getattr(self, "_hotweights_pause_owner", ""))
+        if action != "read":
+            self._hotweights_pause_owner = owner if action == "claim" else ""
+        return was
 
     def hotweights_ping(self) -> str:
         """Cheap round trip; tells the trainer the extension is loaded."""

@@ -113,14 +113,24 @@ class AsyncLLMHandle(EngineHandle):
         return str(self.run(self.engine.get_weight_version(), SHORT_TIMEOUT, "get_weight_version"))
 
     def is_sleeping(self) -> bool:
-        return self._sleep.asleep(lambda: bool(self.run(self.engine.is_sleeping(), SHORT_TIMEOUT, "is_sleeping")))
+        def coarse() -> bool:
+            return bool(self.run(self.engine.is_sleeping(), SHORT_TIMEOUT, "is_sleeping"))
+
+        return self._sleep.asleep(lambda: coarse() and self._asleep_though_vllm_says_so())
+
+    def scheduler_paused(self) -> bool | None:
+        return bool(self.run(self.engine.is_paused(), SHORT_TIMEOUT, "is_paused"))
+
+    def on_shutdown(self, callback: Callable[[], object]) -> None:
+        compat.on_shutdown(self.engine, callback)
 
     def describe(self) -> str:
         return f"AsyncLLM ({self.num_workers} worker(s), pause={self.pause_mode!r})"
 
 
 class PauseGate:
-    """The :class:`~hotweights.core.gate.WriteGate` of an ``AsyncLLM``: pause the scheduler, resume always."""
+    """The :class:`~hotweights.core.gate.WriteGate` of an ``AsyncLLM``: pause the scheduler, resume always (an
+    engine someone else paused is left paused)."""
 
     def __init__(self, handle: AsyncLLMHandle) -> None:
         self.handle = handle
@@ -130,13 +140,17 @@ class PauseGate:
     def installing(self, timeout: float | None = None) -> Iterator[float]:
         handle, start = self.handle, time.perf_counter()
         mode = handle.pause_mode
+        # Paused by someone else already (not asleep: checked before): the install goes on under that pause and
+        # leaves it (a trainer killed while it held a pause took this in-process engine with it).
+        ours = handle.scheduler_paused() is not True
         try:
-            # "keep" leaves frozen requests their KV blocks; the other modes drain, so the caches can go now.
-            pause = handle.engine.pause_generation(mode=mode, clear_cache=mode != "keep")
-            handle.run(pause, timeout, f"pause_generation(mode={mode!r}) (requests in flight)")
+            if ours:  # "keep" leaves frozen requests their KV blocks; the other modes drain, so the caches can go now
+                pause = handle.engine.pause_generation(mode=mode, clear_cache=mode != "keep")
+                handle.run(pause, timeout, f"pause_generation(mode={mode!r}) (requests in flight)")
             yield time.perf_counter() - start
         finally:
-            handle.run(handle.engine.resume_generation(), SHORT_TIMEOUT, "resume_generation")
+            if ours:
+                handle.run(handle.engine.resume_generation(), SHORT_TIMEOUT, "resume_generation")
 
     def refuse(self, reason: str) -> None:
         self.refusal = reason

@@ -10,14 +10,17 @@ the prefix cache, to record the version, and what weights it expects. One handle
 
 from __future__ import annotations
 
+import logging
 import threading
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from typing import Any, ClassVar, Literal
 
 from hotweights.core.active import ActiveVersion
 from hotweights.core.gate import WriteGate
 from hotweights.core.manifest import ExpectedWeights
 from hotweights.engine.compat import WORKER_EXTENSION
+from hotweights.handles.pause import PauseOwner
 
 __all__ = ["EngineHandle", "PauseMode"]
 
@@ -34,6 +37,9 @@ weights after the install, so one response can mix two versions: only for off-po
 
 
 _VERSION_LOCK = threading.Lock()
+#: Seconds for the small worker calls that tell a paused engine from a sleeping one.
+PAUSE_CALL_TIMEOUT = 30.0
+log = logging.getLogger("hotweights")
 
 
 class EngineHandle(ABC):
@@ -132,8 +138,40 @@ class EngineHandle(ABC):
         """The version the engine reports (None where it keeps none)."""
 
     def is_sleeping(self) -> bool:
-        """True while the engine is asleep: its weights must not be written."""
+        """True while the engine's weights are asleep (offloaded or discarded): they must not be written. A paused
+        scheduler alone is not sleep (see :mod:`hotweights.handles.pause`)."""
         return False
+
+    def scheduler_paused(self) -> bool | None:
+        """Whether the engine's scheduler is paused, by anyone; None where it cannot be told."""
+        return None
+
+    def _asleep_though_vllm_says_so(self) -> bool:
+        """vLLM reports the engine sleeping, which it also does while the scheduler is only paused: the workers'
+        own answer where the worker extension can give one, else True (refuse rather than risk a write)."""
+        if self.worker_extension != WORKER_EXTENSION:
+            return True
+        try:
+            answers = self.call("hotweights_weights_asleep", timeout=PAUSE_CALL_TIMEOUT)
+            return any(str(a).lower() == "true" for a in answers)  # a server's route answers in text
+        except Exception:  # e.g. a server running an older hotweights: cannot be told
+            log.debug("hotweights: the workers did not say whether their weights sleep", exc_info=True)
+            return True
+
+    def pause_owner(self, action: str = "read", owner: PauseOwner | None = None) -> PauseOwner | None:
+        """The hotweights install recorded as holding the engine's pause (None: none, or no worker extension to
+        keep the record); ``action="claim"`` records ``owner``, ``"release"`` clears it (both return the record
+        they replaced)."""
+        if self.worker_extension != WORKER_EXTENSION:
+            return None
+        try:
+            answers = self.call(
+                "hotweights_pause_owner", action, owner.to_json() if owner else "", timeout=PAUSE_CALL_TIMEOUT
+            )
+        except Exception:  # e.g. a server running an older hotweights: no record is kept there
+            log.debug("hotweights: the pause record could not be %s", action, exc_info=True)
+            return None
+        return PauseOwner.from_json(str(answers[0])) if answers else None
 
     def clear_kv_cache(self) -> int | None:
         """Zero the KV cache after a failed write (poisoned blocks survive a prefix-cache reset); the number of
@@ -141,6 +179,10 @@ class EngineHandle(ABC):
         if self.worker_extension != WORKER_EXTENSION:
             return None
         return sum(int(n) for n in self.call("hotweights_clear_kv_cache", timeout=CLEAR_KV_TIMEOUT))
+
+    def on_shutdown(self, callback: Callable[[], object]) -> None:  # noqa: B027 - a no-op where there is no hook
+        """Run ``callback()`` once the engine shuts down (e.g. to release files kept for it); ignored by handles
+        of engines whose shutdown cannot be seen from here."""
 
     def describe(self) -> str:
         """One line for reports and errors."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 from hotweights.core.gate import ServingGate
@@ -26,6 +27,7 @@ class LLMHandle(EngineHandle):
         self.llm = llm
         self._gate: ServingGate | None = None
         self._sleep = SleepTracker(llm, is_async=False)
+        compat.serialize_core_sends(llm)  # an install's calls and another thread's generate share one socket
 
     @property
     def num_workers(self) -> int:
@@ -70,12 +72,18 @@ class LLMHandle(EngineHandle):
         exact = compat.weights_asleep_inprocess(self.llm)
         if exact is not None:
             return exact
-        return self._sleep.asleep(lambda: compat.is_sleeping(self.llm))
+        return self._sleep.asleep(lambda: compat.is_sleeping(self.llm) and self._asleep_though_vllm_says_so())
+
+    def scheduler_paused(self) -> bool | None:
+        return compat.scheduler_paused(self.llm)
 
     def clear_kv_cache(self) -> int | None:
         if self.inprocess:
             return compat.clear_kv_cache_inprocess(self.llm)
         return super().clear_kv_cache()
+
+    def on_shutdown(self, callback: Callable[[], object]) -> None:
+        compat.on_shutdown(self.llm, callback)
 
     def describe(self) -> str:
         mode = "in-process" if self.inprocess else f"multiprocess, {self.num_workers} worker(s)"

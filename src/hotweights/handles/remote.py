@@ -8,16 +8,20 @@ routes: the server runs with ``VLLM_SERVER_DEV_MODE=1``, and with hotweights' wo
 (``--worker-extension-cls``) or its weight-transfer backend (``--weight-transfer-config '{"backend":"hotweights"}'``).
 
 Security: vLLM's ``--api-key`` guards only ``/v1``-style paths; the dev routes used here are open to anyone who
-reaches the port. Keep such a server on loopback, on a Unix socket, or behind a proxy that authenticates.
+reaches the port, unless the server runs hotweights' guard (``python -m hotweights.serve`` does; see
+:mod:`hotweights.serve_guard`), which wants a token on every route: ``connect(url, token=...)`` or
+``HOTWEIGHTS_TOKEN`` sends it on every request.
 """
 
 from __future__ import annotations
 
 import ipaddress
 import json
+import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, ClassVar
 from urllib.parse import urlsplit
@@ -27,8 +31,11 @@ import httpx
 from hotweights.core.errors import EngineNotSupportedError, HotWeightsError, HotWeightsTimeoutError, InstallError
 from hotweights.core.manifest import ExpectedWeights, TensorSpec, WeightUpdateManifest
 from hotweights.engine.compat import TESTED_VLLM, WORKER_EXTENSION
+from hotweights.engine.expected import checkpoint_dir
 from hotweights.engine.vllm_plugin import BACKEND
 from hotweights.handles.base import EngineHandle, PauseMode
+from hotweights.handles.pause import PauseOwner
+from hotweights.telemetry import best_effort
 
 __all__ = ["PAUSE_MODES", "RemoteGate", "RemoteHandle", "connect"]
 
@@ -43,6 +50,8 @@ SHORT_TIMEOUT = 60.0
 _TIED_LM_HEAD = "lm_head.weight"
 #: Idle connections are dropped before the server's keep-alive timeout (uvicorn: 5 s) closes them under a request.
 _LIMITS = httpx.Limits(max_connections=32, max_keepalive_connections=8, keepalive_expiry=2.0)
+#: Where :func:`connect` reads the server's token when none is passed (the server's guard reads it too).
+TOKEN_ENV = "HOTWEIGHTS_TOKEN"
 
 
 def connect(
@@ -52,6 +61,7 @@ def connect(
     timeout: float = 60.0,
     expected: ExpectedWeights | str | Path | None = None,
     transport: httpx.BaseTransport | None = None,
+    token: str | None = None,
 ) -> RemoteHandle:
     """A handle on the ``vllm serve`` process at ``url``, for :func:`hotweights.install`.
 
@@ -59,6 +69,8 @@ def connect(
         url: ``http://host:port`` (or ``https://``), or ``unix:///path/to.sock`` for a server started with
             ``--uds``.
         api_key: sent as ``Authorization: Bearer`` (vLLM checks it on ``/v1`` only; see the module docstring).
+        token: the token of a server guarded by hotweights (``python -m hotweights.serve``), sent on every request
+            as ``X-HotWeights-Token``. Default: ``$HOTWEIGHTS_TOKEN``; ``""`` sends none.
         timeout: seconds to connect, and for each short request (pause, resume, version, cache reset).
             Worker calls take the adapter's ``rpc_timeout``.
         expected: what the engine accepts (an :class:`~hotweights.ExpectedWeights`, or a checkpoint directory to
@@ -69,13 +81,14 @@ def connect(
     Raises:
         HotWeightsTimeoutError: the server cannot be reached within ``timeout``.
         EngineNotSupportedError: the server lacks the dev routes, or runs neither hotweights' worker extension nor
-            its weight-transfer backend (the message names the flags to start it with).
+            its weight-transfer backend (the message names the flags to start it with), or refused the token
+            (HTTP 401: pass ``token=`` or set ``HOTWEIGHTS_TOKEN``).
 
     Example:
         >>> engine = hotweights.connect("http://127.0.0.1:8000")                          # doctest: +SKIP
         >>> hotweights.install(engine, model.state_dict(), weight_version=step)            # doctest: +SKIP
     """
-    return RemoteHandle(url, api_key=api_key, timeout=timeout, expected=expected, transport=transport)
+    return RemoteHandle(url, api_key=api_key, timeout=timeout, expected=expected, transport=transport, token=token)
 
 
 class RemoteHandle(EngineHandle):
@@ -92,6 +105,7 @@ class RemoteHandle(EngineHandle):
         timeout: float = 60.0,
         expected: ExpectedWeights | str | Path | None = None,
         transport: httpx.BaseTransport | None = None,
+        token: str | None = None,
     ) -> None:
         self.url = url
         self.timeout = timeout
@@ -105,7 +119,10 @@ class RemoteHandle(EngineHandle):
             base_url, self._host = url.rstrip("/"), parts.hostname
         else:
             raise ValueError(f"{url!r} is not a server URL: use http://host:port or unix:///path/to.sock")
+        token = (os.environ.get(TOKEN_ENV, "") if token is None else token).strip()
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        if token:
+            headers["X-HotWeights-Token"] = token
 
         def client() -> httpx.Client:
             # trust_env=False: a proxy set for the internet must not carry requests meant for this server.
@@ -175,10 +192,15 @@ class RemoteHandle(EngineHandle):
                 f"the server at {self.url} has no {path} route (HTTP 404: {message}): hotweights needs vLLM's dev "
                 f"and RL routes; {SERVER_FLAGS}"
             )
-        if response.status_code in (401, 403):
+        if response.status_code == 401:
             raise EngineNotSupportedError(
-                f"the server at {self.url} refused {what} (HTTP {response.status_code}: {message}); pass its key "
-                "as connect(url, api_key=...)"
+                f"the server at {self.url} refused {what} (HTTP 401: {message}); pass its token as "
+                f"connect(url, token=...) or set {TOKEN_ENV} (and api_key=... if it also checks vLLM's --api-key)"
+            )
+        if response.status_code == 403:
+            raise EngineNotSupportedError(
+                f"the server at {self.url} refused {what} (HTTP 403: {message}); if it checks a key, pass it as "
+                "connect(url, api_key=...)"
             )
         raise InstallError(f"the server at {self.url} failed {what} (HTTP {response.status_code}): {message}")
 
@@ -289,22 +311,40 @@ class RemoteHandle(EngineHandle):
         return None if version is None else str(version)
 
     def is_sleeping(self) -> bool:
-        """vLLM's ``/is_sleeping``, which is also True while the scheduler is paused; except while this handle keeps
-        the server paused itself (failing closed after a failed install), which the next install lifts."""
+        """vLLM's ``/is_sleeping``, which is also True while the scheduler is only paused: then the workers say
+        whether their weights sleep (worker extension); False while this handle keeps the server paused itself
+        (failing closed after a failed install), which the next install lifts."""
         if self._gate.refusal is not None:
             return False
         try:
             answer = self._request("GET", "/is_sleeping", timeout=SHORT_TIMEOUT)
         except EngineNotSupportedError:  # a vLLM without the route cannot sleep through it either
             return False
-        return bool((answer or {}).get("is_sleeping", False))
+        return bool((answer or {}).get("is_sleeping", False)) and self._asleep_though_vllm_says_so()
+
+    def scheduler_paused(self) -> bool | None:
+        try:
+            answer = self._request("GET", "/is_paused", timeout=SHORT_TIMEOUT)
+        except EngineNotSupportedError:  # a vLLM without the route
+            return None
+        return bool((answer or {}).get("is_paused", False))
 
     def describe(self) -> str:
         how = "worker extension" if self._extension else f"weight-transfer backend {self._backend!r}"
         return f"vllm serve at {self.url} ({self._num_workers} worker(s), {how}, pause={self.pause_mode!r})"
 
+    def on_shutdown(self, callback: Callable[[], object]) -> None:
+        """Run ``callback()`` at :meth:`close`: this trainer is done with the server (e.g. the bucket files kept
+        for its next install go then, not at exit)."""
+        self.__dict__.setdefault("_on_close", []).append(callback)
+
     def close(self) -> None:
-        """Close the HTTP connections (the server keeps running)."""
+        """Close the HTTP connections and release what this trainer kept for the server (the server keeps
+        running)."""
+        pending = self.__dict__.get("_on_close", [])
+        while pending:
+            with best_effort("release what was kept for the server"):
+                pending.pop()()
         self._client.close()
 
     def __enter__(self) -> RemoteHandle:
@@ -316,6 +356,12 @@ class RemoteHandle(EngineHandle):
 
 class RemoteGate:
     """The :class:`~hotweights.core.gate.WriteGate` of a server: ``POST /pause?mode=...``, then ``/resume``.
+
+    A server that is paused already (not asleep: checked before) is not paused again (see
+    :mod:`hotweights.handles.pause`): someone else's pause is kept, and the install leaves it; a pause left by a
+    hotweights install whose trainer is gone, or by one that failed while writing, is taken over and lifted after
+    the install; a live install's pause is waited for (up to the lock timeout). While it holds the pause, the
+    install is recorded on the workers as its owner.
 
     Fails closed across the wire: after an install that failed while writing (:meth:`refuse`), the server is left
     paused (requests queue, none is served from a mix of old and new layers) until a full install succeeds or
@@ -333,14 +379,41 @@ class RemoteGate:
         mode = handle.pause_mode
         # "keep" leaves frozen requests their KV blocks; the other modes drain, so the caches can go now.
         params = {"mode": mode, "clear_cache": "false" if mode == "keep" else "true"}
+        paused, ours = self._paused_already(timeout)
+        handle.pause_owner("claim", PauseOwner.mine())
         self._holding = True
         try:
-            handle._request("POST", "/pause", params=params, timeout=timeout, what=f"pause (mode={mode!r})")
+            if not paused:
+                handle._request("POST", "/pause", params=params, timeout=timeout, what=f"pause (mode={mode!r})")
             yield time.perf_counter() - start
         finally:
             self._holding = False
             if self.refusal is None:
-                handle._request("POST", "/resume", timeout=SHORT_TIMEOUT)
+                handle.pause_owner("release")
+                if ours:
+                    handle._request("POST", "/resume", timeout=SHORT_TIMEOUT)
+            else:  # left paused on purpose: the next install, from whichever trainer, lifts it
+                handle.pause_owner("claim", replace(PauseOwner.mine(), failed=True))
+
+    def _paused_already(self, timeout: float | None) -> tuple[bool, bool]:
+        """(whether the server is paused now, whether this install resumes it afterwards), once no live
+        hotweights install holds its pause."""
+        handle = self.handle
+        deadline = time.monotonic() + (SHORT_TIMEOUT if timeout is None else timeout)
+        while True:
+            if handle.scheduler_paused() is not True:
+                return False, True
+            owner = handle.pause_owner()
+            if owner is None:  # someone else's pause: the install goes on under it and leaves it
+                return True, False
+            if owner.lifted_by_next_install():
+                return True, True
+            if time.monotonic() > deadline:
+                raise HotWeightsTimeoutError(
+                    f"the server is paused by another hotweights install ({owner.describe()}), still running after "
+                    f"{timeout} s; nothing was written. Retry once it is done, or POST /resume if it is not"
+                )
+            time.sleep(0.1)
 
     def refuse(self, reason: str) -> None:
         self.refusal = reason
@@ -348,6 +421,7 @@ class RemoteGate:
     def reopen(self) -> None:
         was, self.refusal = self.refusal, None
         if was is not None and not self._holding:  # inside an install, the gate resumes once it is done
+            self.handle.pause_owner("release")
             self.handle._request("POST", "/resume", timeout=SHORT_TIMEOUT)
 
 
@@ -357,7 +431,11 @@ def _read_expected(
     """``expected`` as given, else read from the served model's directory when this process can read it."""
     if isinstance(expected, ExpectedWeights):
         return expected
-    model_dir = Path(expected) if expected is not None else Path(served) if served else None
+    if expected is not None:
+        model_dir: Path | None = Path(expected)
+    else:  # the served directory, or a Hub id's snapshot in this host's Hugging Face cache
+        revision, cache = _dig(config, "model_config", "revision"), _dig(config, "load_config", "download_dir")
+        model_dir = checkpoint_dir(served, revision, cache) if served else None
     if model_dir is None or not model_dir.is_dir() or not any(model_dir.glob("*.safetensors")):
         if expected is not None:
             raise ValueError(f"expected={str(expected)!r} is not a directory holding *.safetensors")

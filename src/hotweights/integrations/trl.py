@@ -4,8 +4,9 @@ Works with every trainer that holds a ``trl.generation.vllm_generation.VLLMGener
 ``trainer.vllm_generation`` (``GRPOTrainer``, ``RLOOTrainer``, the distillation trainers, with ``use_vllm=True``).
 TRL's own ``sync_weights`` pushes one tensor at a time through ``model.load_weights``; after ``attach`` each sync
 gathers every tensor exactly as TRL does (DeepSpeed ZeRO-3, FSDP1/2, PEFT merge and name clean-up, through TRL's
-own ``VLLMGeneration._iter_named_params``), casts floating tensors to the engine's dtype and makes **one** atomic
-:func:`hotweights.install` with ``weight_version = trainer.state.global_step``.
+own ``VLLMGeneration._iter_named_params``), and makes **one** atomic :func:`hotweights.install` with
+``weight_version = trainer.state.global_step`` and ``cast`` the engine's dtype (floating tensors are cast bucket by
+bucket as they are sent).
 
 TRL is imported only inside these functions: ``import hotweights`` never imports it.
 
@@ -78,10 +79,9 @@ class TRLWeightSync:
             if self.target is None:
                 continue
             tensor = param.detach()
-            if self.dtype is not None and tensor.is_floating_point() and tensor.dtype != self.dtype:
-                tensor = tensor.to(self.dtype)
-            elif copy:
-                tensor = tensor.clone()  # the view is released (ZeRO-3) or unmerged (PEFT) when the gather ends
+            if copy:  # the view is released (ZeRO-3) or unmerged (PEFT) when the gather ends: a copy, cast once
+                cast = self.dtype is not None and tensor.is_floating_point() and tensor.dtype != self.dtype
+                tensor = tensor.to(self.dtype) if cast else tensor.clone()
             tensors[name] = tensor
         if self.target is None:
             return None
@@ -90,6 +90,8 @@ class TRLWeightSync:
         # TRL re-pushes the same step after sleep level 2 discarded the weights: the same version is legitimate.
         force = bool(self.options.get("force", False)) or (last is not None and last.weight_version == version)
         options = {**self.options, "force": force}
+        if self.dtype is not None:  # the rest is cast bucket by bucket as it is sent
+            options.setdefault("cast", self.dtype)
         report = install(self.target, tensors, weight_version=version, **options)
         self.reports.append(report)
         return report

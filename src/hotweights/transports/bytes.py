@@ -27,7 +27,7 @@ class Transport(WeightTransport):
     def send(self, bucket: Bucket, tensors: Mapping[str, torch.Tensor], stage: Stage) -> None:
         data = bytearray(bucket.nbytes)
         if bucket.nbytes:
-            pack_into(torch.frombuffer(data, dtype=torch.uint8), bucket, dict(tensors))
+            pack_into(torch.frombuffer(data, dtype=torch.uint8), bucket, tensors)
         stage({"transport": self.name, "data": data, "nbytes": bucket.nbytes})
 
 

@@ -44,7 +44,7 @@ class Transport(WeightTransport):
 
     def send(self, bucket: Bucket, tensors: Mapping[str, torch.Tensor], stage: Stage) -> None:
         buffer = torch.empty(max(bucket.nbytes, 1), dtype=torch.uint8, device=self.device)
-        pack_into(buffer, bucket, dict(tensors))
+        pack_into(buffer, bucket, tensors)
         torch.cuda.current_stream(self.device).synchronize()  # bytes are in place before a worker reads them
         storage = buffer.untyped_storage()
         (device, handle, size, offset, ref_handle, ref_offset, event_handle, event_sync) = storage._share_cuda_()  # type: ignore[no-untyped-call]

@@ -4,8 +4,14 @@
 By default the files of an install's first buckets (up to ``REUSE_BUDGET``, 64 MiB) are kept and rewritten by the
 next install: rewriting pages is 2-3x faster than having the kernel allocate fresh ones. The workers hold nothing
 between installs. Every other file is unlinked as soon as the workers staged it. Kept files go at
-:meth:`Transport.close`, at garbage collection and at exit; a SIGKILL can leave them (and a bucket in flight)
-behind: the names start with ``hotweights-<pid>-`` and :func:`sweep_stale` removes those of dead processes.
+:meth:`Transport.close`, when the engine the transport is connected to shuts down (where the engine link offers
+``on_shutdown``), when the transport is garbage-collected, and at exit.
+
+Ownership: the creating process holds a shared ``flock`` on every file it creates, on a descriptor of its own, for
+as long as the file may be in use; the engine workers open and map the files but never lock them. A SIGKILL (which
+skips every clean-up) releases the lock, so :func:`sweep_stale` (run by every new :class:`Transport`) removes a
+``hotweights-<pid>-<id>`` file only when it can take the exclusive lock: never one in use by a live process, in
+any PID namespace or container that shares this ``/dev/shm`` (the kernel keeps the locks per file).
 
 With ``Transport(keep_segments=True)`` every bucket's shared memory stays mapped, here and in the workers (the file
 itself is unlinked once every worker has mapped it), and the next install writes into the same pages: no page
@@ -18,6 +24,9 @@ from __future__ import annotations
 import atexit
 import contextlib
 import errno
+import fcntl
+import functools
+import logging
 import mmap
 import os
 import re
@@ -26,7 +35,7 @@ import stat
 import time
 import uuid
 import weakref
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,15 +43,20 @@ from typing import Any
 import torch
 
 from hotweights.core.buckets import Bucket, byte_views, pack_into
-from hotweights.telemetry import best_effort
 from hotweights.transports.base import Descriptor, EngineLink, Stage, WeightTransport
 
 __all__ = ["REUSE_BUDGET", "SHM_DIR", "Transport", "open_bucket", "release_segments", "sweep_stale"]
 
+logger = logging.getLogger("hotweights")
+
 SHM_DIR = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(os.environ.get("TMPDIR", "/tmp"))
 _PREFIX = "hotweights-"
-_LIVE: set[Path] = set()
+_LIVE: set[Path] = set()  # the files this process created and has not removed yet (unlinked at exit)
 _HELD: set[Path] = set()  # the files live transports keep for reuse (a subset of _LIVE)
+_LOCKS: dict[Path, int] = {}  # path -> the descriptor through which this process holds the file's shared lock
+#: Directories (the weights-path adapter's private checkpoints, ``hotweights-<pid>-ckpt-*``) carry no lock: they go
+#: when their pid's process is gone here and they are at least this old (a live owner in another PID namespace).
+_DIR_MIN_AGE = 60.0
 
 
 @atexit.register
@@ -51,39 +65,148 @@ def _unlink_live() -> None:
         _remove(path)
 
 
+def _forget_inherited() -> None:
+    """In a forked child: drop the parent's registries and close its lock descriptors (never ``LOCK_UN``, which
+    would release the parent's lock: the descriptors share its open file descriptions), so that a child outliving a
+    SIGKILLed parent (a data loader worker, an engine process forked later) does not keep the parent's files."""
+    for fd in _LOCKS.values():
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    _LOCKS.clear()
+    _LIVE.clear()
+    _HELD.clear()
+
+
+os.register_at_fork(after_in_child=_forget_inherited)
+
+
 def sweep_stale(directory: Path = SHM_DIR, min_age: float = 0.0) -> list[Path]:
-    """Remove this user's segments left by dead processes (name ``hotweights-<pid>-...``, pid gone) that are at
-    least ``min_age`` seconds old; returns what was removed."""
+    """Remove this user's ``hotweights-<pid>-...`` files whose owner is gone (no process holds their lock) and that
+    are at least ``min_age`` seconds old, and private checkpoint directories of pids that are gone (at least a
+    minute old); returns what was removed.
+
+    A file is removed only under an exclusive lock taken without waiting, so never one a live process, in any PID
+    namespace, holds (the workers' descriptors hold no lock). An unlocked file is kept too while the process its name
+    carries runs here and started before the file was last written: an older hotweights, which locked nothing,
+    may still be using it (a later process that reused the pid does not protect it)."""
     removed = []
     now = time.time()
     for path in directory.glob(f"{_PREFIX}*"):
-        m = re.match(rf"{_PREFIX}(\d+)-", path.name)
-        if not m or Path(f"/proc/{m.group(1)}").exists():
+        m = _OWNED_NAME.match(path.name)
+        if not m or path in _LOCKS:
             continue
         try:
             st = path.lstat()
         except FileNotFoundError:
             continue
-        if st.st_uid == os.getuid() and now - st.st_mtime >= min_age:
-            if stat.S_ISDIR(st.st_mode):  # a private checkpoint directory (the weights-path adapter)
+        age = now - st.st_mtime
+        if st.st_uid != os.getuid() or age < min_age:
+            continue
+        started = _process_start(int(m.group(1)))
+        if started is not None and started <= st.st_mtime + _CLOCK_SLACK:
+            continue  # its own process may still use it
+        if stat.S_ISDIR(st.st_mode):  # a private checkpoint directory (the weights-path adapter): no lock on it
+            if age >= _DIR_MIN_AGE:
                 shutil.rmtree(path, ignore_errors=True)
-            else:
-                path.unlink(missing_ok=True)
+                removed.append(path)
+        elif stat.S_ISREG(st.st_mode) and _unlink_unlocked(path, st):
             removed.append(path)
     return removed
 
 
-def _new_file(size: int) -> tuple[str, Path, int]:
-    """A new private file of ``size`` bytes in ``SHM_DIR`` (removed at exit unless :func:`_remove` ran): its id,
-    path and an open descriptor."""
-    sid = uuid.uuid4().hex
-    path = SHM_DIR / f"{_PREFIX}{os.getpid()}-{sid}"
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)  # private to this user
-    _LIVE.add(path)
+#: What a sweep looks at: ``hotweights-<pid>-`` names (the pid of the creating process, in its namespace).
+_OWNED_NAME = re.compile(rf"{_PREFIX}([0-9]+)-")
+#: Seconds of error in a process's start time as :func:`_process_start` computes it (``btime`` is whole seconds).
+_CLOCK_SLACK = 5.0
+
+
+@functools.cache
+def _boot_time() -> float | None:
     try:
-        os.ftruncate(fd, size)
+        for line in Path("/proc/stat").read_text().splitlines():
+            if line.startswith("btime "):
+                return float(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _process_start(pid: int) -> float | None:
+    """When the process ``pid`` started (seconds since the epoch), if it runs and this process can see it (None
+    for a zombie, a pid that is gone, or one in another PID namespace)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_bytes().rsplit(b")", 1)[1].split()  # after the command's name
+        if fields[0] == b"Z":
+            return None
+        ticks = int(fields[19])  # field 22: start time, in clock ticks after boot
+    except (OSError, IndexError, ValueError):
+        return None
+    boot = _boot_time()
+    return 0.0 if boot is None else boot + ticks / os.sysconf("SC_CLK_TCK")  # no boot time: "since ever"
+
+
+def _unlink_unlocked(path: Path, st: os.stat_result) -> bool:
+    """Unlink ``path`` (the file ``st`` describes) if no process holds a lock on it; True if it did."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return False  # gone already, or replaced by something this sweep does not touch
+    try:
+        if os.fstat(fd).st_ino != st.st_ino:
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            return False  # its owner is alive (EWOULDBLOCK), or the filesystem cannot lock: left alone
+        if os.lstat(path).st_ino != st.st_ino:
+            return False
+        path.unlink()
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)  # releases the exclusive lock
+
+
+def _lock_created(fd: int) -> bool:
+    """Take this process's shared lock on a file it just created; False when a sweep got there first (it holds the
+    file, or unlinked it between the creation and the lock): the creator then takes another name."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    except OSError as exc:
+        if exc.errno in (errno.EINVAL, errno.ENOLCK, errno.EOPNOTSUPP):
+            return True  # a filesystem without locks (an odd TMPDIR): unlocked, and no sweep can lock it either
+        raise
+    return os.fstat(fd).st_nlink > 0
+
+
+def _new_file(size: int) -> tuple[str, Path, int]:
+    """A new private file of ``size`` bytes in ``SHM_DIR``, mode 0600, locked by this process until :func:`_remove`
+    (or exit): its id, path and an open descriptor (on a description of its own: closing it keeps the lock)."""
+    for _ in range(8):
+        sid = uuid.uuid4().hex
+        path = SHM_DIR / f"{_PREFIX}{os.getpid()}-{sid}"
+        lock = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        try:
+            if _lock_created(lock):
+                break
+        except BaseException:
+            os.close(lock)
+            path.unlink(missing_ok=True)
+            raise
+        os.close(lock)
+        path.unlink(missing_ok=True)
+    else:
+        raise OSError(errno.EAGAIN, f"could not create and lock a segment in {SHM_DIR}")
+    _LIVE.add(path)
+    _LOCKS[path] = lock
+    try:
+        os.fchmod(lock, 0o600)  # exactly: a umask must not take the owner's write bit (the workers map it shared)
+        os.ftruncate(lock, size)
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
     except BaseException:
-        os.close(fd)
         _remove(path)
         raise
     return sid, path, fd
@@ -167,12 +290,20 @@ def _write(fd: int, views: list[memoryview]) -> None:
             offset += view.nbytes
 
 
-def _remove(path: Path) -> None:
-    """Unlink a file this process created. A forked child (which inherits the registries) leaves its parent's files
-    alone: the name carries the creating pid."""
+def _unlink(path: Path) -> None:
+    """Unlink a file this process created, keeping its lock (a kept segment stays in use once unlinked). A forked
+    child leaves its parent's files alone: the name carries the creating pid."""
     if path.name.startswith(f"{_PREFIX}{os.getpid()}-"):
         path.unlink(missing_ok=True)
     _LIVE.discard(path)
+
+
+def _remove(path: Path) -> None:
+    """Unlink a file this process created, then release its lock."""
+    _unlink(path)
+    lock = _LOCKS.pop(path, None)
+    if lock is not None:
+        os.close(lock)
 
 
 @dataclass
@@ -185,9 +316,21 @@ class _Segment:
     shared: bool = False
 
     def close(self) -> None:
-        _remove(self.path)
-        with contextlib.suppress(BufferError):  # a tensor still viewing it keeps the pages until it is freed
-            self.mm.close()
+        try:
+            with contextlib.suppress(BufferError):  # a tensor still viewing it keeps the pages until it is freed
+                self.mm.close()
+        finally:
+            _remove(self.path)
+
+
+def _release(files: dict[int, _File], kept: dict[int, _Segment]) -> None:
+    """Everything a transport holds in this process: its reused files and kept segments (the workers' mappings of
+    these go with the engine, or with :func:`release_segments`)."""
+    try:
+        _close_files(files)
+    finally:
+        while kept:
+            kept.popitem()[1].close()
 
 
 class Transport(WeightTransport):
@@ -198,8 +341,9 @@ class Transport(WeightTransport):
             place by the next install while they fit in :data:`REUSE_BUDGET` (64 MiB, at most a sixteenth of the
             shared-memory filesystem): small updates, and the first buckets of large ones, skip the kernel's
             allocation of fresh pages (15 MB: 4 ms instead of 10 ms). The workers map them for each install, as
-            any bucket, and hold nothing between installs; the files go at :meth:`close`, when the transport is
-            garbage-collected, at exit, or, after a SIGKILL, by :func:`sweep_stale`. ``False``: a fresh file per
+            any bucket, and hold nothing between installs; the files go at :meth:`close`, when the engine shuts
+            down (an engine link with ``on_shutdown``), when the transport is garbage-collected, at exit, or,
+            after a SIGKILL, by the next transport's :func:`sweep_stale`. ``False``: a fresh file per
             bucket, removed as soon as the workers staged it. ``True``: keep the shared memory mapped between installs,
             here and in the workers, with no limit, until :meth:`close`: an install uses one segment per bucket
             (an atomic install keeps every bucket until it commits: one update's worth of shared memory), or a
@@ -216,9 +360,8 @@ class Transport(WeightTransport):
     preferred_bucket_bytes = 32 << 20
 
     def __init__(self, keep_segments: bool | None = None) -> None:
-        # Segments of senders that died mid-transfer (SIGKILL skips every cleanup) go first; the age margin spares
-        # a live sender whose pid this process cannot see (another PID namespace sharing /dev/shm).
-        sweep_stale(min_age=60.0)
+        # Files of senders that died (SIGKILL skips every clean-up) go first: those no live process holds locked.
+        sweep_stale()
         self.keep_segments = keep_segments is True
         """True: segments stay mapped in the workers between installs (``keep_segments=True``)."""
         self._kept: dict[int, _Segment] = {}  # bucket index (or 0 for all) -> its segment, reused by every install
@@ -226,25 +369,48 @@ class Transport(WeightTransport):
         self._one_segment = False
         self._budget = _reuse_budget() if keep_segments is None else 0
         self._files: dict[int, _File] = {}  # bucket index -> its file, rewritten by every install
-        self._finalizer = weakref.finalize(self, _close_files, self._files)
+        # Dropped (with its adapter, handle or engine): the files and segments go; the finalizer holds no reference
+        # to the transport, only to what it releases.
+        self._finalizer = weakref.finalize(self, _release, self._files, self._kept)
 
     def connect(self, engine: EngineLink) -> None:
+        """Keep ``engine`` to release the workers' segments through; where the link (or the engine handle it holds
+        as ``engine``) offers ``on_shutdown(callback)``, everything this transport holds goes when the engine stops."""
         self._engine = engine
         # An engine that keeps no view of a bucket after its stage lets one segment carry every bucket.
         self._one_segment = bool(getattr(engine, "releases_buckets_after_stage", False))
+        for owner in (engine, getattr(engine, "engine", None)):
+            on_shutdown = getattr(owner, "on_shutdown", None)
+            if callable(on_shutdown):
+                on_shutdown(_released_by(self))
+                break
 
     def close(self) -> None:
-        """Remove the reused bucket files; unmap the kept segments here and ask the workers to unmap theirs."""
-        _close_files(self._files)
-        kept, self._kept = list(self._kept.values()), {}
-        self._forget(kept)
-        for seg in kept:
-            seg.close()
+        """Remove the reused bucket files; unmap the kept segments here and ask the workers to unmap theirs (a
+        failure to reach them is logged as a warning: they then hold that memory until they map a new segment or
+        stop)."""
+        try:
+            self._forget(list(self._kept.values()), logging.WARNING)
+        finally:
+            _release(self._files, self._kept)
 
-    def _forget(self, segments: list[_Segment]) -> None:
+    def _release_here(self) -> None:
+        """What the engine's shutdown runs: everything this process holds, without a call to the (gone) workers."""
+        _release(self._files, self._kept)
+
+    def _forget(self, segments: list[_Segment], level: int = logging.DEBUG) -> None:
+        """Ask the workers to unmap ``segments``; a failure is logged at ``level`` (DEBUG while another error is
+        being raised: a failed stage), never raised."""
         if segments and self._engine is not None:
-            with best_effort("release kept shm segments in the workers"):  # a worker also drops dead trainers' segments
+            try:  # a worker also drops the segments of trainers that are gone when it maps a new one
                 self._engine.call("hotweights_release_segments", [seg.id for seg in segments])
+            except Exception:
+                logger.log(
+                    level,
+                    "could not ask the engine's workers to unmap %d kept shm segment(s)",
+                    len(segments),
+                    exc_info=True,
+                )
 
     def send(self, bucket: Bucket, tensors: Mapping[str, torch.Tensor], stage: Stage) -> None:
         if self.keep_segments:
@@ -260,7 +426,7 @@ class Transport(WeightTransport):
                 _close_files(self._files, bucket.index)  # a worker may still be reading it: start afresh next time
                 raise
             return
-        _, path, fd = _new_file(size)
+        _, path, fd = _new_file(size)  # locked (so never swept) until _remove
         try:
             try:
                 _fill(fd, size, bucket, tensors)
@@ -306,20 +472,35 @@ class Transport(WeightTransport):
             raise
         if not seg.shared:
             seg.shared = True
-            _remove(seg.path)  # every worker mapped it; the mappings keep the pages
+            _unlink(seg.path)  # every worker mapped it; the mappings keep the pages (and this process the lock)
 
     def _create(self, size: int) -> _Segment:
         return _Segment(*_new_segment(size))
 
     def _drop(self, index: int) -> None:
         seg = self._kept.pop(index)
-        self._forget([seg])
-        seg.close()
+        try:
+            self._forget([seg])
+        finally:
+            seg.close()
 
 
 _SEGMENT_ID = re.compile(r"[0-9a-f]{32}")
-#: The names :func:`_new_segment` gives (``hotweights-<pid>-<uuid4 hex>``): the only files a worker maps.
+#: The names :func:`_new_file` gives (``hotweights-<pid>-<uuid4 hex>``): the only files a worker maps.
 _SEGMENT_NAME = re.compile(rf"{_PREFIX}[0-9]+-[0-9a-f]{{32}}")
+
+
+def _released_by(transport: Transport) -> Callable[[], None]:
+    """A callback releasing what ``transport`` holds in this process, holding no reference to it (an engine's
+    shutdown hooks must not keep a dropped transport alive)."""
+    ref = weakref.ref(transport)
+
+    def release() -> None:
+        live = ref()
+        if live is not None:
+            live._release_here()
+
+    return release
 
 
 def _open_segment(path: Path, flags: int) -> int:
@@ -332,10 +513,21 @@ def _open_segment(path: Path, flags: int) -> int:
             what = "a symbolic link" if exc.errno == errno.ELOOP else "a directory"
             raise ValueError(f"refusing to map {path}: {what}, not a hotweights segment") from exc
         raise
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
+    st = os.fstat(fd)
+    why = "not a regular file" if not stat.S_ISREG(st.st_mode) else _foreign_owner(st)
+    if why:
         os.close(fd)
-        raise ValueError(f"refusing to map {path}: not a regular file")
+        raise ValueError(f"refusing to map {path}: {why}")
     return fd
+
+
+def _foreign_owner(st: os.stat_result) -> str:
+    """Why a worker refuses a file by its owner: it must be this worker's user (the trainer creates them 0600, so
+    only that user reads them); a root worker reads any user's. Empty when it may be mapped."""
+    euid = os.geteuid()
+    if euid != 0 and st.st_uid != euid:
+        return f"owned by uid {st.st_uid}, not this worker's {euid}"
+    return ""
 
 
 def _kept_segments(worker: Any) -> dict[str, tuple[int | None, mmap.mmap]]:

@@ -1,0 +1,139 @@
+"""Casting on the way in: a trainer's fp32 master weights installed into a bf16 engine (pure logic).
+
+``install(..., cast=torch.bfloat16)`` (or ``cast="engine"``: each tensor to the dtype the engine expects for it)
+casts floating-point tensors whose dtype differs. The cast is lazy: :class:`CastItems` keeps the caller's tensors
+and casts one when it is read, so the transports cast bucket by bucket (each cast copy is dropped once its bucket
+is written) and the update is never held twice. Integer and bool tensors are never cast. Without ``cast`` a dtype
+difference stays a refusal that names this opt-in.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Literal, overload
+
+import torch
+
+from hotweights.core.manifest import ExpectedWeights, TensorSpec, WeightUpdateManifest, dtype_to_str
+
+__all__ = ["Cast", "CastItems", "cast_targets", "item_names", "lazy_mapping"]
+
+Cast = torch.dtype | Literal["engine"]
+"""A dtype every floating-point tensor is cast to, or ``"engine"``: the dtype the engine expects for each."""
+
+
+def cast_targets(
+    manifest: WeightUpdateManifest, cast: Cast, expected: ExpectedWeights | None
+) -> dict[str, torch.dtype]:
+    """Name -> dtype for each floating-point tensor of ``manifest`` that must change dtype.
+
+    Raises:
+        ValueError: ``cast`` is neither a floating-point dtype nor ``"engine"``, or ``"engine"`` with no
+            knowledge of the engine's dtypes.
+    """
+    if cast == "engine":
+        if expected is None:
+            raise ValueError(
+                'cast="engine" needs the engine\'s dtypes, which are not known here (its checkpoint cannot be '
+                "read); pass the dtype, e.g. cast=torch.bfloat16. Nothing was written."
+            )
+        wanted = {n: s.torch_dtype for n, s in expected.tensors.items() if s.torch_dtype.is_floating_point}
+    elif isinstance(cast, torch.dtype) and cast.is_floating_point:
+        wanted = dict.fromkeys(manifest.tensors, cast)
+    else:
+        raise ValueError(f'cast must be a floating-point torch dtype or "engine", not {cast!r}; nothing was written')
+    return {
+        name: wanted[name]
+        for name, spec in manifest.tensors.items()
+        if name in wanted and spec.torch_dtype.is_floating_point and spec.torch_dtype != wanted[name]
+    }
+
+
+class CastItems(Sequence[tuple[str, torch.Tensor]]):
+    """``(name, tensor)`` pairs whose tensors named in ``targets`` are cast when read, one at a time.
+
+    Nothing is cast up front: code that reads a bucket's tensors casts that bucket only, and a cast copy lives as
+    long as its reader keeps it. :attr:`source` holds the caller's tensors.
+    """
+
+    def __init__(self, source: Sequence[tuple[str, torch.Tensor]], targets: Mapping[str, torch.dtype]) -> None:
+        self.source = list(source)
+        self.targets = dict(targets)
+
+    @overload
+    def __getitem__(self, index: int) -> tuple[str, torch.Tensor]: ...
+    @overload
+    def __getitem__(self, index: slice) -> CastItems: ...
+    def __getitem__(self, index: int | slice) -> tuple[str, torch.Tensor] | CastItems:
+        if isinstance(index, slice):
+            return CastItems(self.source[index], self.targets)
+        name, tensor = self.source[index]
+        return name, self._cast(name, tensor)
+
+    def __len__(self) -> int:
+        return len(self.source)
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in self.source:
+            yield name, self._cast(name, tensor)
+
+    def _cast(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        dtype = self.targets.get(name)
+        return tensor if dtype is None else tensor.to(dtype)
+
+    def without(self, names: Mapping[str, object]) -> CastItems:
+        """The same pairs less those named in ``names``."""
+        return CastItems([(n, t) for n, t in self.source if n not in names], self.targets)
+
+    def manifest(self, manifest: WeightUpdateManifest) -> WeightUpdateManifest:
+        """``manifest`` as the engine receives it: cast tensors in their new dtype (digests of the cast bytes)."""
+        digests = manifest.has_digests
+        tensors = dict(manifest.tensors)
+        for name, tensor in self.source:
+            dtype = self.targets.get(name)
+            if dtype is not None and digests:  # hashing needs the cast bytes: one tensor at a time
+                tensors[name] = TensorSpec.of(tensor.to(dtype), digest=True)
+            elif dtype is not None:
+                spec = TensorSpec.model_construct(
+                    shape=tuple(tensor.shape), dtype=dtype_to_str(dtype), nbytes=tensor.numel() * dtype.itemsize
+                )
+                tensors[name] = spec
+        return manifest.model_copy(update={"tensors": tensors})
+
+    @property
+    def cast_tensors(self) -> int:
+        """How many tensors change dtype."""
+        return sum(1 for n, _ in self.source if n in self.targets)
+
+    @property
+    def cast_bytes(self) -> int:
+        """Bytes of the cast tensors before the cast (what the caller handed over)."""
+        return sum(t.nbytes for n, t in self.source if n in self.targets)
+
+
+class _CastMapping(Mapping[str, torch.Tensor]):
+    """Name -> tensor over :class:`CastItems`; each read casts (the transports read a bucket's tensors)."""
+
+    def __init__(self, items: CastItems) -> None:
+        self._items = items
+        self._index = {name: i for i, (name, _) in enumerate(items.source)}
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self._items[self._index[name]][1]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._index)
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+
+def lazy_mapping(items: Sequence[tuple[str, torch.Tensor]]) -> Mapping[str, torch.Tensor]:
+    """``dict(items)``, except that :class:`CastItems` stay lazy (a read casts one tensor)."""
+    return _CastMapping(items) if isinstance(items, CastItems) else dict(items)
+
+
+def item_names(items: Sequence[tuple[str, torch.Tensor]]) -> list[str]:
+    """The names of ``items`` without reading (casting) their tensors."""
+    source = items.source if isinstance(items, CastItems) else items
+    return [n for n, _ in source]

@@ -1,0 +1,422 @@
+"""An ASGI middleware that guards every route of a ``vllm serve`` process with a token, and bounds what a caller
+may make the engine do through ``/collective_rpc``.
+
+``python -m hotweights.serve`` installs it; on a server started otherwise, add it the same way::
+
+    HOTWEIGHTS_TOKEN=... VLLM_SERVER_DEV_MODE=1 python -m vllm.entrypoints.openai.api_server --model DIR \\
+        --worker-extension-cls hotweights.engine.worker_extension.HotWeightsWorkerExtension \\
+        --middleware hotweights.serve_guard.HotWeightsGuard
+
+What it does, before vLLM sees the request:
+
+- **Token** (every path, every method, websockets too): a request must carry ``Authorization: Bearer <token>`` or
+  ``X-HotWeights-Token: <token>``, else it is answered 401 and reaches nothing. Only CORS preflights (``OPTIONS``
+  with ``Origin`` and ``Access-Control-Request-Method``, answered by vLLM's CORS middleware) pass without one.
+- **Rendezvous hosts**: a ``hotweights_init_communicator`` or ``init_weight_transfer_engine`` call (through
+  ``POST /collective_rpc``, or ``POST /init_weight_transfer_engine``) naming a host other than the caller's own
+  address or loopback is refused (403), unless the host is on the allow-list.
+- **Timeouts**: the ``timeout`` of a ``/collective_rpc`` body (and a rendezvous' own ``timeout``) is capped at
+  ``HOTWEIGHTS_MAX_RPC_TIMEOUT`` seconds (a missing or null one, which vLLM reads as "no limit", too); one that is
+  not a number of seconds is refused (400), as is a body that is not a JSON object.
+
+Only those two POST bodies are read (then handed to vLLM unchanged, or re-encoded where a timeout was capped);
+every other request and every response, streamed ones included, passes through untouched.
+
+Configuration, from the environment (vLLM's ``--middleware`` passes no arguments):
+
+- ``HOTWEIGHTS_TOKEN``: the token (16 characters at least);
+- ``HOTWEIGHTS_NO_TOKEN=1``: serve without a token (the explicit opt-out; the other checks stay);
+- ``HOTWEIGHTS_COMMUNICATOR_HOSTS``: comma-separated addresses, networks (``10.0.0.0/24``) or host names a
+  rendezvous may also name;
+- ``HOTWEIGHTS_MAX_RPC_TIMEOUT``: seconds (default 600).
+
+Without a token and without the opt-out, the guard fails closed: every request is answered 500 naming the fix.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import ipaddress
+import json
+import logging
+import math
+import os
+from collections.abc import Awaitable, Callable, Iterable, Mapping, MutableMapping
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = [
+    "DEFAULT_MAX_RPC_TIMEOUT",
+    "MIN_TOKEN_LENGTH",
+    "GuardConfig",
+    "HotWeightsGuard",
+]
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
+IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
+
+TOKEN_ENV = "HOTWEIGHTS_TOKEN"
+NO_TOKEN_ENV = "HOTWEIGHTS_NO_TOKEN"
+HOSTS_ENV = "HOTWEIGHTS_COMMUNICATOR_HOSTS"
+TIMEOUT_ENV = "HOTWEIGHTS_MAX_RPC_TIMEOUT"
+#: Seconds a ``/collective_rpc`` call may ask the workers to take, by default.
+DEFAULT_MAX_RPC_TIMEOUT = 600.0
+#: Shortest token accepted.
+MIN_TOKEN_LENGTH = 16
+#: Largest ``/collective_rpc`` body read (worker calls carry JSON descriptors and manifests, not tensors).
+MAX_BODY_BYTES = 64 << 20
+TOKEN_HEADER = b"x-hotweights-token"
+COLLECTIVE_RPC = "/collective_rpc"
+INIT_TRANSFER = "/init_weight_transfer_engine"
+RENDEZVOUS = "hotweights_init_communicator"
+TRANSFER_INIT = "init_weight_transfer_engine"
+#: Keys of an ``init_info`` that name the host a worker connects to (hotweights' backend; vLLM's NCCL backend).
+INIT_INFO_HOSTS = ("host", "master_address")
+NEW_TOKEN = "python -c 'import secrets; print(secrets.token_urlsafe(32))'"
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class GuardConfig:
+    """What :class:`HotWeightsGuard` enforces.
+
+    Args:
+        token: the token every request must carry; None serves without one (the explicit opt-out).
+        communicator_hosts: addresses, networks or host names a rendezvous may name besides the caller's own
+            address and loopback.
+        max_rpc_timeout: seconds a worker call (and a rendezvous) may be given at most.
+    """
+
+    token: str | None
+    communicator_hosts: tuple[str, ...] = ()
+    max_rpc_timeout: float = DEFAULT_MAX_RPC_TIMEOUT
+    _networks: tuple[IPNetwork, ...] = field(init=False, repr=False, compare=False)
+    _names: frozenset[str] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.token is not None and len(self.token) < MIN_TOKEN_LENGTH:
+            raise ValueError(
+                f"the hotweights token is {len(self.token)} characters long; use {MIN_TOKEN_LENGTH} at least, e.g. "
+                f"export {TOKEN_ENV}=$({NEW_TOKEN})"
+            )
+        if self.token is not None and not all("!" <= c <= "~" for c in self.token):
+            raise ValueError("the hotweights token must be printable ASCII without spaces (it travels in a header)")
+        timeout = self.max_rpc_timeout
+        if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not 0 < timeout < math.inf:
+            raise ValueError(f"the largest RPC timeout must be a positive number of seconds, not {timeout!r}")
+        networks: list[IPNetwork] = []
+        names: set[str] = set()
+        for entry in self.communicator_hosts:
+            try:
+                networks.append(_mapped_network(ipaddress.ip_network(entry, strict=False)))
+            except ValueError:
+                if not entry or any(c.isspace() or c in "/,[]" for c in entry):
+                    raise ValueError(
+                        f"{entry!r} in the communicator hosts is no address, network or host name"
+                    ) from None
+                names.add(entry.lower())
+        object.__setattr__(self, "_networks", tuple(networks))
+        object.__setattr__(self, "_names", frozenset(names))
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> GuardConfig:
+        """Read ``HOTWEIGHTS_TOKEN``, ``HOTWEIGHTS_NO_TOKEN``, ``HOTWEIGHTS_COMMUNICATOR_HOSTS`` and
+        ``HOTWEIGHTS_MAX_RPC_TIMEOUT``.
+
+        Raises:
+            ValueError: no token and no opt-out (or both), or a value that does not parse; the message says what
+                to set.
+        """
+        env = os.environ if environ is None else environ
+        token = env.get(TOKEN_ENV, "").strip() or None
+        no_token = env.get(NO_TOKEN_ENV, "").strip().lower() in ("1", "true", "yes")
+        if token is None and not no_token:
+            raise ValueError(
+                f"no hotweights token: set {TOKEN_ENV} in the server's environment (e.g. export "
+                f"{TOKEN_ENV}=$({NEW_TOKEN})), or {NO_TOKEN_ENV}=1 to serve without one"
+            )
+        if token is not None and no_token:
+            raise ValueError(f"both {TOKEN_ENV} and {NO_TOKEN_ENV}=1 are set: unset one")
+        raw = env.get(TIMEOUT_ENV, "").strip()
+        try:
+            timeout = float(raw) if raw else DEFAULT_MAX_RPC_TIMEOUT
+        except ValueError:
+            raise ValueError(f"{TIMEOUT_ENV}={raw!r} is not a number of seconds") from None
+        return cls(token, split_hosts(env.get(HOSTS_ENV, "")), timeout)
+
+    def host_allowed(self, host: object, caller: str | None) -> bool:
+        """True if a rendezvous may name ``host``: loopback, the caller's own address, or an allowed one."""
+        if not isinstance(host, str):
+            return False
+        if host.lower() == "localhost":
+            return True
+        address = _address(host.removeprefix("[").removesuffix("]") if host.startswith("[") else host)
+        if address is None:
+            return host.lower() in self._names
+        return (
+            address.is_loopback
+            or (caller is not None and address == _address(caller))
+            or any(address in network for network in self._networks)
+        )
+
+
+def split_hosts(value: str | Iterable[str]) -> tuple[str, ...]:
+    """``"a, b"`` (or an iterable of such strings) as ``("a", "b")``."""
+    parts = [value] if isinstance(value, str) else list(value)
+    return tuple(h.strip() for part in parts for h in part.split(",") if h.strip())
+
+
+class HotWeightsGuard:
+    """Pure ASGI middleware: token on every request, bounds on rendezvous hosts and worker-call timeouts.
+
+    vLLM adds it with ``--middleware hotweights.serve_guard.HotWeightsGuard`` (configured from the environment:
+    see the module docstring); elsewhere ``HotWeightsGuard(app, GuardConfig(token))``.
+    """
+
+    def __init__(self, app: ASGIApp, config: GuardConfig | None = None) -> None:
+        self.app = app
+        self._broken: str | None = None
+        try:
+            self.config: GuardConfig | None = config if config is not None else GuardConfig.from_env()
+        except ValueError as exc:
+            self.config, self._broken = None, f"hotweights guard: {exc}; every request is refused until it is set"
+            logger.error(self._broken)
+        token = self.config.token if self.config is not None else None
+        self._digest = hashlib.sha256(token.encode()).digest() if token is not None else None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        kind = scope["type"]
+        if kind not in ("http", "websocket"):  # lifespan
+            await self.app(scope, receive, send)
+            return
+        if self.config is None:
+            await _refuse(scope, receive, send, 500, self._broken or "hotweights guard is not configured")
+            return
+        if self._digest is not None and not self._authorized(scope) and not _preflight(scope):
+            logger.warning(
+                "hotweights guard: 401 for %s %s from %s", scope.get("method", "WS"), _path(scope), _caller(scope)
+            )
+            await _refuse(
+                scope,
+                receive,
+                send,
+                401,
+                "missing or wrong hotweights token: send `Authorization: Bearer <token>` or `X-HotWeights-Token: "
+                f"<token>` (hotweights.connect(url, token=...) or {TOKEN_ENV} sends it)",
+            )
+            return
+        path = _path(scope)
+        if kind == "http" and scope.get("method") == "POST" and path in (COLLECTIVE_RPC, INIT_TRANSFER):
+            await self._checked(scope, receive, send, path)
+            return
+        await self.app(scope, receive, send)
+
+    def _authorized(self, scope: Scope) -> bool:
+        assert self._digest is not None
+        ok = False
+        for name, value in scope.get("headers", ()):
+            if name == b"authorization":
+                scheme, _, presented = bytes(value).partition(b" ")
+                if scheme.lower() != b"bearer":
+                    continue
+            elif name == TOKEN_HEADER:
+                presented = bytes(value)
+            else:
+                continue
+            ok |= hmac.compare_digest(hashlib.sha256(presented.strip()).digest(), self._digest)
+        return ok
+
+    async def _checked(self, scope: Scope, receive: Receive, send: Send, path: str) -> None:
+        """Read the body, check (and maybe rewrite) it, then hand it to the app."""
+        assert self.config is not None
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            chunk = bytes(message.get("body", b""))
+            size += len(chunk)
+            if size > MAX_BODY_BYTES:
+                await _refuse(scope, receive, send, 413, f"hotweights guard: a {path} body over {MAX_BODY_BYTES} bytes")
+                return
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        body = b"".join(chunks)
+        try:
+            checked = check_body(path, body, _caller(scope), self.config)
+        except Refusal as refusal:
+            logger.warning(
+                "hotweights guard: %d for POST %s from %s: %s", refusal.status, path, _caller(scope), refusal
+            )
+            await _refuse(scope, receive, send, refusal.status, str(refusal))
+            return
+        if checked is not None:
+            body = checked
+            headers = [
+                (k, v) for k, v in scope.get("headers", ()) if k not in (b"content-length", b"transfer-encoding")
+            ]
+            scope = {**scope, "headers": [*headers, (b"content-length", str(len(body)).encode())]}
+        replayed = False
+
+        async def replay() -> Message:
+            nonlocal replayed
+            if replayed:
+                return await receive()  # what follows the body: a disconnect
+            replayed = True
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        await self.app(scope, replay, send)
+
+
+class Refusal(Exception):
+    """A request the guard answers itself (``status``: 400 malformed, 403 not allowed)."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def check_body(path: str, body: bytes, caller: str | None, config: GuardConfig) -> bytes | None:
+    """Check a ``/collective_rpc`` or ``/init_weight_transfer_engine`` body from ``caller``.
+
+    Returns:
+        None to pass ``body`` on as it is, or the re-encoded body (a timeout capped).
+
+    Raises:
+        Refusal: 400 for a body that is not a JSON object or a timeout that is not a number of seconds, 403 for a
+            rendezvous host that is not allowed.
+    """
+    try:
+        request = json.loads(body)
+    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
+        raise Refusal(400, f"hotweights guard: the {path} body is not JSON ({exc})") from None
+    if not isinstance(request, dict):
+        raise Refusal(400, f"hotweights guard: the {path} body must be a JSON object")
+    if path == INIT_TRANSFER:
+        info = request.get("init_info")
+        changed = isinstance(info, dict) and _check_init_info(info, caller, config, path)
+        return json.dumps(request).encode() if changed else None
+    method = request.get("method")
+    args, kwargs = request.get("args", []), request.get("kwargs", {})
+    if not isinstance(method, str):
+        raise Refusal(400, f"hotweights guard: 'method' must be a string, not {method!r}")
+    if not isinstance(args, list) or not isinstance(kwargs, dict):
+        raise Refusal(400, "hotweights guard: 'args' must be a JSON list and 'kwargs' a JSON object")
+    timeout = request.get("timeout")
+    capped = _cap(timeout, "the call's 'timeout'", config)
+    changed = capped is not timeout or "timeout" not in request
+    request["timeout"] = capped
+    if method == RENDEZVOUS:
+        host = args[0] if args else kwargs.get("host")
+        _check_host(host, caller, config, method)
+        if len(args) > 4:  # (host, port, world_size, backend, timeout)
+            capped = _cap(args[4], "the rendezvous' timeout", config)
+            changed |= capped is not args[4]
+            args[4] = capped
+        elif "timeout" in kwargs:
+            capped = _cap(kwargs["timeout"], "the rendezvous' timeout", config)
+            changed |= capped is not kwargs["timeout"]
+            kwargs["timeout"] = capped
+    elif method == TRANSFER_INIT:
+        info = args[0] if args else kwargs.get("init_info")
+        if not isinstance(info, dict):
+            raise Refusal(400, f"hotweights guard: {method}'s init_info must be a JSON object")
+        changed |= _check_init_info(info, caller, config, method)
+    return json.dumps(request).encode() if changed else None
+
+
+def _check_init_info(info: dict[str, Any], caller: str | None, config: GuardConfig, what: str) -> bool:
+    """Check the hosts an ``init_info`` names; cap its timeout. True if it was changed."""
+    for key in INIT_INFO_HOSTS:
+        if info.get(key) is not None:
+            _check_host(info[key], caller, config, what)
+    if info.get("timeout") is None:
+        return False
+    capped = _cap(info["timeout"], "the rendezvous' timeout", config)
+    changed = capped is not info["timeout"]
+    info["timeout"] = capped
+    return changed
+
+
+def _check_host(host: object, caller: str | None, config: GuardConfig, what: str) -> None:
+    if config.host_allowed(host, caller):
+        return
+    own = f"your own address as this server sees it ({caller}) or loopback" if caller else "loopback"
+    raise Refusal(
+        403,
+        f"hotweights guard: {what} may name {own} as the host to connect to, not {host!r}. Build the "
+        "transport with that address (make_transport('collective', host=...)), or start the server with "
+        f"--communicator-hosts {host if isinstance(host, str) else 'ADDR'} (or {HOSTS_ENV}) to allow it",
+    )
+
+
+def _cap(value: object, what: str, config: GuardConfig) -> Any:
+    """``value`` if at most the cap (None: the cap); else the cap. Refuses what is not a number of seconds."""
+    cap = config.max_rpc_timeout
+    if value is None:
+        return cap
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < math.inf:
+        raise Refusal(400, f"hotweights guard: {what} must be a number of seconds (0 to {cap:g}), not {value!r}")
+    return value if value <= cap else cap
+
+
+def _address(text: str) -> IPAddress | None:
+    try:
+        address = ipaddress.ip_address(text)
+    except ValueError:
+        return None
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        return address.ipv4_mapped
+    return address
+
+
+def _mapped_network(network: IPNetwork) -> IPNetwork:
+    """An IPv4-mapped IPv6 network as its IPv4 network (addresses are compared in that form)."""
+    mapped = network.network_address.ipv4_mapped if isinstance(network, ipaddress.IPv6Network) else None
+    if mapped is None or network.prefixlen < 96:
+        return network
+    return ipaddress.IPv4Network((mapped, network.prefixlen - 96))
+
+
+def _path(scope: Scope) -> str:
+    path = str(scope.get("path", ""))
+    root = str(scope.get("root_path", ""))
+    return path.removeprefix(root) if root and path.startswith(root) else path
+
+
+def _caller(scope: Scope) -> str | None:
+    """The peer's address (None over a Unix socket)."""
+    client = scope.get("client")
+    return str(client[0]) if client and client[0] else None
+
+
+def _preflight(scope: Scope) -> bool:
+    """A CORS preflight (vLLM's CORS middleware answers it; it reaches no route)."""
+    if scope["type"] != "http" or scope.get("method") != "OPTIONS":
+        return False
+    names = {name for name, _ in scope.get("headers", ())}
+    return b"origin" in names and b"access-control-request-method" in names
+
+
+async def _refuse(scope: Scope, receive: Receive, send: Send, status: int, message: str) -> None:
+    """Answer ``status`` with vLLM's error shape (a websocket is closed before it is accepted)."""
+    if scope["type"] == "websocket":
+        await receive()  # websocket.connect
+        await send({"type": "websocket.close", "code": 1008 if status < 500 else 1011, "reason": message[:120]})
+        return
+    kind = {400: "BadRequestError", 401: "AuthenticationError", 403: "PermissionDeniedError"}.get(status, "Error")
+    body = json.dumps({"error": {"message": message, "type": kind, "code": status}}).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    if status == 401:
+        headers.append((b"www-authenticate", b'Bearer realm="hotweights"'))
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
