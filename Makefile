@@ -22,11 +22,13 @@ test: $(STAMP)
 	$(PY) -m pytest -m "not slow and not matrix" -p no:cacheprovider
 
 ## the full conformance matrix: every architecture through every multiprocess path (~15 min on 2 cores); the cells
-## it ran go to docs/architectures.json, from which docs/architectures.md's table is rendered
+## it ran go to docs/architectures.json, from which docs/architectures.md's table is rendered; then the other
+## matrix-marked tests (MoE on an AsyncLLM, an engine started from a Hub id)
 test-matrix: $(STAMP)
 	HOTWEIGHTS_MATRIX_OUT=docs/architectures.json $(PY) -m pytest -p no:cacheprovider -m "matrix or not matrix" \
 		tests/engine/test_architectures.py
 	$(PY) docs/_render_architectures.py
+	$(PY) -m pytest -p no:cacheprovider -m matrix tests/engine/test_async_llm.py tests/engine/test_hub_id.py
 
 ## long profile: the fuzz suite at 10,000 examples per property (~10 min on 2 cores), incl. its slow-marked check
 test-slow: $(STAMP)

@@ -14,7 +14,9 @@ import torch
 
 from .conftest import TinyCheckpoint, Variant
 
-pytestmark = pytest.mark.engine
+# A fresh Python and engine of their own (~70 s): in the long profile (`make test-matrix`); the worker's own check
+# runs in the default run (test_multiprocess.py), the Hub cache lookup in tests/unit/test_expected.py.
+pytestmark = [pytest.mark.engine, pytest.mark.matrix]
 
 
 def test_a_hub_id_engine_is_validated_on_both_sides_and_installs_exactly(

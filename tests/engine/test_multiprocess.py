@@ -29,6 +29,7 @@ from hotweights import (
     WeightUpdateManifest,
 )
 from hotweights.core.buckets import Bucket, plan_buckets
+from hotweights.testing import build_tiny_model, save_tiny_model
 from hotweights.transports import EngineLink, Stage, make_transport
 from hotweights.transports.shm import SHM_DIR, sweep_stale
 
@@ -95,23 +96,29 @@ def test_a_to_b_to_a_with_split_buckets(engine: Engine, transport: str) -> None:
     assert our_shm() == []
 
 
+@pytest.fixture(scope="module")
+def half(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, torch.Tensor], list[list[int]]]:
+    """B in bf16 (the trainer's tensors), and what a fresh fp32 engine on B's bf16 checkpoint serves."""
+    model = build_tiny_model("qwen2", 2, dtype=torch.bfloat16)
+    path = save_tiny_model(model, tmp_path_factory.mktemp("qwen2-bf16-B"))
+    reference = start_engine(path, dtype="float32", multiprocess=False)
+    try:
+        return dict(model.state_dict()), greedy_vllm(reference)
+    finally:
+        stop_engine(reference)
+
+
 @pytest.mark.parametrize("path", ["extension", "zero-config"])
 def test_cast_engine_through_the_transport_and_the_zero_config_path(
-    engine: Engine, checkpoint: Callable[[Variant, int], TinyCheckpoint], path: str
+    engine: Engine, half: tuple[dict[str, torch.Tensor], list[list[int]]], path: str
 ) -> None:
     """bf16 trainer tensors into this fp32 engine with cast="engine": cast bucket by bucket on the way in, the
     engine then serves what a fresh fp32 engine on the bf16 checkpoint serves."""
-    half = checkpoint(Variant("qwen2", torch.bfloat16, tie=False), 2)
-    reference = start_engine(half.path, dtype="float32", multiprocess=False)
-    try:
-        expected = greedy_vllm(reference)
-    finally:
-        stop_engine(reference)
+    sd, expected = half
     assert expected != engine.a.fresh
     adapter = engine.adapter("shm") if path == "extension" else hotweights.VLLMWeightsPathAdapter(engine.llm)
     adapter.active_weight_version = engine._version
     engine.install(engine.a)
-    sd = half.state_dict()
     with pytest.raises(WeightManifestValidationError, match='cast="engine"'):
         hotweights.install(engine.llm, sd, weight_version=engine.version(), adapter=adapter)
     report = hotweights.install(engine.llm, sd, weight_version=engine.version(), adapter=adapter, cast="engine")

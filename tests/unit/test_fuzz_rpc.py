@@ -1089,3 +1089,20 @@ def test_a_rendezvous_timeout_beyond_float_is_refused_and_keeps_the_group(fx: Fi
     with no_rendezvous, contextlib.suppress(ValueError):
         worker.hotweights_init_communicator("127.0.0.1", 1234, 2, "gloo", 10**400)
     assert getattr(worker, "_hotweights_group", None) is not None
+
+
+def test_a_delta_cannot_claim_more_wire_bytes_than_the_model_holds() -> None:
+    """A delta's wire tensors are bounded by the worker's copy before anything is staged: a hostile count is refused
+    (the collective transport would otherwise allocate it)."""
+    from hotweights.core.delta import DeltaEntry, DeltaManifest
+
+    worker = HotWeightsWorkerExtension()
+    base = WeightUpdateManifest.from_state_dict({"w": torch.zeros(4)}, weight_version=0)
+    delta_state.track(worker, True)
+    delta_state.remember(worker, base, [("w", torch.zeros(4))])
+    huge = DeltaEntry(encoding="sparse", shape=(4,), dtype="torch.float32", count=1 << 40, index_dtype="torch.int32")
+    delta = DeltaManifest(weight_version=1, base_version=0, entries={"w": huge})
+    wire = WeightUpdateManifest(update_id=delta.update_id, weight_version=1, tensors=delta.wire_specs())
+    with pytest.raises(ValueError, match="more than a delta of this model can hold"):
+        worker.hotweights_delta_begin(delta.to_json(), wire.to_json())
+    assert worker._hotweights.session is None  # nothing staged

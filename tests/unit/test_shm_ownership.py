@@ -236,7 +236,9 @@ def test_a_sweep_between_creation_and_lock_makes_the_creator_start_afresh(monkey
 def test_a_forked_child_does_not_keep_a_killed_parents_files() -> None:
     """A child forked by the trainer (a data loader worker) and still running does not hold the files of a trainer
     killed with SIGKILL: it closed the inherited lock descriptors at the fork."""
-    code = _ONE_BUCKET + """
+    code = (
+        _ONE_BUCKET
+        + """
         transport = shm.Transport()
         transport.send(bucket, tensors, lambda d: paths.append(d["path"]))
         child = os.fork()
@@ -246,6 +248,7 @@ def test_a_forked_child_does_not_keep_a_killed_parents_files() -> None:
         print(json.dumps({"paths": paths, "child": child}), flush=True)
         time.sleep(3600)
     """
+    )
     with _process(code) as (proc, report):
         child = int(report["child"])
         try:
@@ -385,7 +388,9 @@ def test_the_engines_shutdown_releases_the_files(where: str) -> None:
 
 def test_exit_removes_the_kept_files() -> None:
     """A trainer that exits without close() (os._exit skips nothing of interest here: a plain exit)."""
-    code = _ONE_BUCKET + """
+    code = (
+        _ONE_BUCKET
+        + """
         transport = shm.Transport()
         transport.send(bucket, tensors, lambda d: paths.append(d["path"]))
         kept = shm.Transport(keep_segments=True)
@@ -395,6 +400,7 @@ def test_exit_removes_the_kept_files() -> None:
             paths.extend(str(s.path) for s in kept._kept.values())
         print(json.dumps({"paths": paths}), flush=True)
     """
+    )
     with _process(code) as (proc, report):
         assert proc.wait(30) == 0
         paths = [Path(p) for p in report["paths"]]

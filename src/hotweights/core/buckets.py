@@ -178,7 +178,7 @@ def bucket_problems(bucket: Bucket, manifest: WeightUpdateManifest, size: int) -
     """Every way ``bucket`` (received into ``size`` bytes) disagrees with the manifest; empty when it fits.
 
     Checked before a receiver allocates or reads anything: a bucket can only claim bytes the manifest accounts for
-    (its tensors, packed as :func:`plan_buckets` packs them, with alignment padding only).
+    (its tensors, with no more than alignment padding between them).
     """
     problems = []
     if not bucket.entries:
@@ -191,8 +191,6 @@ def bucket_problems(bucket: Bucket, manifest: WeightUpdateManifest, size: int) -
         spec = manifest.tensors.get(e.name)
         if e.offset < end and e.nbytes:
             problems.append(f"{e.name!r} at byte {e.offset} overlaps the previous tensor (ends at {end})")
-        elif e.offset > _align(end):  # only alignment padding between tensors: a bucket claims no other bytes
-            problems.append(f"{e.name!r} at byte {e.offset} leaves a gap after byte {end} (packed: {_align(end)})")
         end = max(end, e.offset + e.nbytes)
         if e.name in seen:
             problems.append(f"{e.name!r} appears twice in the bucket")
@@ -207,6 +205,9 @@ def bucket_problems(bucket: Bucket, manifest: WeightUpdateManifest, size: int) -
             )
     if end != bucket.nbytes:
         problems.append(f"bucket declares {bucket.nbytes} bytes but its tensors end at byte {end}")
+    packed = sum(_align(e.nbytes) for e in bucket.entries) + ALIGNMENT
+    if bucket.nbytes > packed:  # gaps between tensors: a bucket claims no bytes beyond its tensors' packing
+        problems.append(f"bucket declares {bucket.nbytes} bytes, more than its tensors packed need ({packed})")
     return problems
 
 

@@ -98,6 +98,12 @@ def begin(worker: Any, staging: StagingArea, delta_json: str, wire_json: str) ->
         got = {n: TensorSpec(shape=t.shape, dtype=t.dtype) for n, t in wire.tensors.items()}
         if wire.update_id != delta.update_id or got != want:
             raise ValueError(f"delta {delta.update_id}: the wire manifest does not describe the delta's tensors")
+        limit = 2 * s.base.nbytes + (1 << 20)  # indices and values of every element stay under twice the copy
+        if wire.total_bytes > limit:
+            raise ValueError(
+                f"delta {delta.update_id}: its wire tensors claim {wire.total_bytes} bytes, more than a delta of this "
+                f"model can hold ({limit}); send a full update (delta=False)"
+            )
         staging.begin(wire_json, check=False)
     elif want:
         raise ValueError(f"delta {delta.update_id} changes {len(delta.entries)} tensors but came without a wire")
