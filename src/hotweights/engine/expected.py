@@ -17,7 +17,7 @@ from hotweights.core.errors import WeightManifestValidationError
 from hotweights.core.manifest import ExpectedWeights, TensorSpec, WeightUpdateManifest, dtype_to_str
 from hotweights.engine import compat
 
-__all__ = ["check_manifest", "checkpoint_dir", "expected_from_config", "expected_weights"]
+__all__ = ["check_manifest", "checkpoint_dir", "checkpoint_expected", "expected_from_config", "expected_weights"]
 
 log = logging.getLogger("hotweights")
 
@@ -52,14 +52,20 @@ def expected_from_config(model_config: Any, load_config: Any = None) -> Expected
     )
     if model_dir is None:
         return None
+    tied = compat.config_ties_embeddings(model_config)
+    return checkpoint_expected(model_dir, dtype_to_str(model_config.dtype), tied=tied)
+
+
+def checkpoint_expected(model_dir: Path, dtype: str | None, *, tied: bool) -> ExpectedWeights:
+    """The specs of ``model_dir``'s safetensors, floating-point tensors in ``dtype`` (None or ``""``: as stored);
+    ``tied``: a ``lm_head.weight`` the checkpoint lacks is accepted and ignored (the engine reads the embedding)."""
     ckpt = WeightUpdateManifest.from_safetensors(model_dir, weight_version=0)
-    dtype = dtype_to_str(model_config.dtype)
     specs = {
-        name: TensorSpec(shape=s.shape, dtype=dtype) if s.torch_dtype.is_floating_point else s
+        name: TensorSpec(shape=s.shape, dtype=dtype) if dtype and s.torch_dtype.is_floating_point else s
         for name, s in ckpt.tensors.items()
     }
     ignored: dict[str, str] = {}
-    if compat.config_ties_embeddings(model_config) and TIED_LM_HEAD not in specs:
+    if tied and TIED_LM_HEAD not in specs:
         ignored[TIED_LM_HEAD] = "tied to the input embedding; the engine reads the embedding"
     return ExpectedWeights(specs, ignored)
 

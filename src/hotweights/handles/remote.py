@@ -29,9 +29,9 @@ from urllib.parse import urlsplit
 import httpx
 
 from hotweights.core.errors import EngineNotSupportedError, HotWeightsError, HotWeightsTimeoutError, InstallError
-from hotweights.core.manifest import ExpectedWeights, TensorSpec, WeightUpdateManifest
+from hotweights.core.manifest import ExpectedWeights
 from hotweights.engine.compat import TESTED_VLLM, WORKER_EXTENSION
-from hotweights.engine.expected import checkpoint_dir
+from hotweights.engine.expected import checkpoint_dir, checkpoint_expected
 from hotweights.engine.vllm_plugin import BACKEND
 from hotweights.handles.base import EngineHandle, PauseMode
 from hotweights.handles.pause import PauseOwner
@@ -47,7 +47,6 @@ SERVER_FLAGS = (
 )
 #: Seconds a resume, a version record or a cache reset may take.
 SHORT_TIMEOUT = 60.0
-_TIED_LM_HEAD = "lm_head.weight"
 #: Idle connections are dropped before the server's keep-alive timeout (uvicorn: 5 s) closes them under a request.
 _LIMITS = httpx.Limits(max_connections=32, max_keepalive_connections=8, keepalive_expiry=2.0)
 #: Where :func:`connect` reads the server's token when none is passed (the server's guard reads it too).
@@ -440,15 +439,9 @@ def _read_expected(
         if expected is not None:
             raise ValueError(f"expected={str(expected)!r} is not a directory holding *.safetensors")
         return None
-    ckpt = WeightUpdateManifest.from_safetensors(model_dir, weight_version=0)
     dtype = str(_dig(config, "model_config", "dtype") or "").removeprefix("torch.")
-    specs = {
-        name: TensorSpec(shape=s.shape, dtype=dtype) if dtype and s.torch_dtype.is_floating_point else s
-        for name, s in ckpt.tensors.items()
-    }
-    # A checkpoint without lm_head.weight is tied: the engine reads the embedding and ignores a sent lm_head.
-    ignored = {} if _TIED_LM_HEAD in specs else {_TIED_LM_HEAD: "tied to the input embedding; the engine reads it"}
-    return ExpectedWeights(specs, ignored)
+    # The server's config does not say whether the head is tied: a checkpoint without lm_head.weight is.
+    return checkpoint_expected(model_dir, dtype, tied=True)
 
 
 def _dig(config: dict[str, Any], *keys: str) -> Any:
