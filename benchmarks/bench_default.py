@@ -29,7 +29,8 @@ from typing import Any
 import torch
 
 import hotweights
-from hotweights import VLLMInProcessWeightReloadAdapter, VLLMMultiprocessAdapter, WeightUpdateManifest
+from hotweights import WeightUpdateManifest
+from hotweights.adapters import VLLMInProcessWeightReloadAdapter, VLLMMultiprocessAdapter
 from hotweights.core.names import to_checkpoint
 from hotweights.testing import build_tiny_model, greedy_hf, greedy_vllm, start_engine, stop_engine
 

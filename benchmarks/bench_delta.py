@@ -30,7 +30,8 @@ from typing import Any
 import torch
 
 import hotweights
-from hotweights import InstallReport, VLLMInProcessWeightReloadAdapter, VLLMMultiprocessAdapter, WeightUpdateManifest
+from hotweights import InstallReport, WeightUpdateManifest
+from hotweights.adapters import VLLMInProcessWeightReloadAdapter, VLLMMultiprocessAdapter
 from hotweights.testing import build_tiny_model, greedy_vllm, save_tiny_model, start_engine, stop_engine
 
 StateDict = dict[str, torch.Tensor]

@@ -1,5 +1,5 @@
-"""Install speed: hotweights' in-process reload adapter and direct setter vs. vLLM's bare ``reload_weights`` vs. a
-plain ``torch.copy_``.
+"""Install speed: hotweights' in-process reload adapter, direct setter and ``hotweights.install``'s in-process default
+(``install_method="auto"``) vs. vLLM's bare ``reload_weights`` vs. a plain ``torch.copy_``.
 
 Builds two ~150M-parameter Qwen2 models (seeds 1 and 2) and starts one in-process engine per dtype on model A. After
 ``--settle`` untimed bare reloads, it runs rounds in which every method installs once into that same engine: an
@@ -38,13 +38,9 @@ os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the adapters hand tensors 
 
 import torch
 
-from hotweights import (
-    InstallReport,
-    VLLMDirectSetterAdapter,
-    VLLMInProcessWeightReloadAdapter,
-    WeightInstallAdapter,
-    WeightUpdateManifest,
-)
+import hotweights
+from hotweights import InstallReport, WeightUpdateManifest
+from hotweights.adapters import VLLMDirectSetterAdapter, VLLMInProcessWeightReloadAdapter, WeightInstallAdapter
 from hotweights.testing import (
     PROMPTS,
     build_tiny_model,
@@ -58,9 +54,10 @@ from hotweights.testing import (
 StateDict = dict[str, torch.Tensor]
 Row = tuple[str, str, int, float]  # method, dtype, bytes, median seconds
 
-IN_PROCESS, DIRECT, BARE, COPY = (
+IN_PROCESS, DIRECT, DEFAULT, BARE, COPY = (
     "hotweights in-process",
     "hotweights direct setter",
+    "hotweights.install default (auto)",
     "vLLM reload_weights(list)",
     "torch.copy_",
 )
@@ -68,6 +65,7 @@ IN_PROCESS, DIRECT, BARE, COPY = (
 SIZES: dict[str, dict[str, Any]] = {
     "tiny": {},  # the testing defaults: hidden 128, 2 layers, vocab 1000
     "150m": {"hidden": 768, "layers": 12, "heads": 12, "kv_heads": 4, "intermediate": 3072, "vocab": 32000},
+    "many": {"layers": 24},  # hidden 128: 291 tensors, 15.2 MB fp32 (the many-tensor model of bench_multiprocess)
 }
 
 
@@ -213,9 +211,11 @@ def bench_dtype(
             reprocess.append(spent)
             return elapsed
 
+        default = installer.adopt(hotweights.adapter_for(llm))  # what hotweights.install takes: install_method="auto"
         steps: dict[str, Callable[[StateDict], float]] = {
             IN_PROCESS: lambda sd: installer(IN_PROCESS, inprocess, sd),
             DIRECT: direct_step,
+            DEFAULT: lambda sd: installer(DEFAULT, default, sd),
             BARE: bare_reload,
             COPY: copy_step,
         }
@@ -227,14 +227,16 @@ def bench_dtype(
             f"{len(moved)}/{len(pointers)} {moved[:3]}"
         )
 
-        for label in (IN_PROCESS, DIRECT):
+        print(f"[{dtype_name}] {DEFAULT} ran: {installer.reports[DEFAULT][-1].install_method} "
+              f"({installer.reports[DEFAULT][-1].install_reason})")  # fmt: skip
+        for label in (IN_PROCESS, DIRECT, DEFAULT):
             reports = installer.reports[label]
             assert reports[-1].num_bytes == nbytes, (label, reports[-1].num_bytes, nbytes)
             phases = median_phases(reports)
             text = ", ".join(f"{p} {s * 1e3:.1f} ms" for p, s in phases.items())
             print(f"[{dtype_name}] {label} median phases: {text}")
         print(f"[{dtype_name}] {DIRECT} install phase split: {install_split(installer.reports[DIRECT], reprocess)}")
-        rows = [(method, dtype_name, nbytes, seconds[method]) for method in (IN_PROCESS, DIRECT, BARE, COPY)]
+        rows = [(method, dtype_name, nbytes, seconds[method]) for method in (IN_PROCESS, DIRECT, DEFAULT, BARE, COPY)]
 
         ok = None
         if dtype == torch.float32:  # bf16 vLLM and HF diverge after a few tokens: only fp32 is compared with HF
@@ -247,7 +249,7 @@ def bench_dtype(
                     f"[{dtype_name}] warning: HF's greedy tokens on A and B are equal, the check cannot tell them apart"
                 )
             ok = True
-            for label, adapter in ((IN_PROCESS, inprocess), (DIRECT, direct)):
+            for label, adapter in ((IN_PROCESS, inprocess), (DIRECT, direct), (DEFAULT, default)):
                 bare_reload(a)  # the engine serves A, so only a working install of B can pass
                 installer(label, adapter, b)
                 got = greedy_vllm(llm, PROMPTS[:2], max_tokens=4)

@@ -35,19 +35,17 @@ from typing import Any
 import torch
 
 import hotweights
-from hotweights import (
-    InstallReport,
+from hotweights import InstallReport, WeightUpdateManifest
+from hotweights.adapters import (
     VLLMInProcessWeightReloadAdapter,
     VLLMMultiprocessAdapter,
     VLLMWeightsPathAdapter,
     WeightInstallAdapter,
-    WeightTransport,
-    WeightUpdateManifest,
 )
 from hotweights.core.buckets import Bucket, plan_buckets
 from hotweights.core.names import to_checkpoint
 from hotweights.testing import MOE_ARCHS, PROMPTS, build_tiny_model, greedy_hf, greedy_vllm, start_engine, stop_engine
-from hotweights.transports import Stage, make_transport
+from hotweights.transports import Stage, WeightTransport, make_transport
 from hotweights.transports.shm import SHM_DIR
 from hotweights.transports.shm import Transport as ShmTransport
 

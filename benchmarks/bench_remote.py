@@ -8,7 +8,7 @@ path, and (fp32) whether greedy completions after the last install equal HF tran
 otherwise. The server is killed (process group) at the end. Then, in the same run, the same model is served by a
 multiprocess ``vllm.LLM`` with the worker extension in this process and installed the same way: the remote/local
 ratio, the HTTP overhead per bucket (remote minus local transfer phase, per bucket) and the round trip of an empty
-worker call (``hotweights_ping``) over HTTP and locally.
+worker call (``hotweights_engine("status")``) over HTTP and locally.
 
 Run: ``flock /tmp/hotweights-engine.lock .venv/bin/python benchmarks/bench_remote.py [--size tiny|150m]
 [--repeats 5]``.
@@ -34,7 +34,9 @@ import httpx
 import torch
 
 import hotweights
+import hotweights.adapters
 import hotweights.core.buckets
+import hotweights.handles
 from hotweights.serve import server_command
 from hotweights.testing import PROMPTS, build_tiny_model, greedy_hf, save_tiny_model
 
@@ -95,11 +97,11 @@ def summarize(name: str, reports: list[Any]) -> None:
 
 
 def ping_ms(call: Any, n: int = 20) -> float:
-    """Median milliseconds of an empty worker call (``hotweights_ping``) through ``call``."""
+    """Median milliseconds of an empty worker call (``hotweights_engine("status")``) through ``call``."""
     times = []
     for _ in range(n):
         t0 = time.perf_counter()
-        call("hotweights_ping", timeout=30.0)
+        call("hotweights_engine", "status", "{}", timeout=30.0)
         times.append(time.perf_counter() - t0)
     return statistics.median(times) * 1e3
 
@@ -115,7 +117,7 @@ def local_engine(path: Path, states: dict[int, dict[str, torch.Tensor]], repeats
             report = hotweights.install(llm, states[2 if i % 2 == 0 else 1], weight_version=i + 1)
             if i:
                 reports.append(report)
-        return reports, ping_ms(hotweights.as_engine(llm).call)
+        return reports, ping_ms(hotweights.handles.as_engine(llm).call)
     finally:
         stop_engine(llm)
 
@@ -149,7 +151,7 @@ def main() -> int:
                 hotweights.adapter_for(engine).bucket_size,  # type: ignore[attr-defined]
             ))  # fmt: skip
             collective_reports = []
-            with hotweights.VLLMMultiprocessAdapter(engine, transport="collective") as adapter:
+            with hotweights.adapters.VLLMMultiprocessAdapter(engine, transport="collective") as adapter:
                 for i in range(args.repeats + 1):
                     version += 1
                     state = states[2 if i % 2 == 0 else 1]

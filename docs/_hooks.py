@@ -46,6 +46,12 @@ OLD_API = {
     **dict.fromkeys(["WeightTransport", "make_transport", "register_transport", "available_transports"], "transports"),
 }
 _OLD_ANCHORS = {name.lower(): name for name in OLD_API}
+# The names of those pages that left the top level: documented (and anchored) under their module's path now.
+_HOMES = {
+    name: f"hotweights.{page}"
+    for name, page in OLD_API.items()
+    if page in ("adapters", "transports") and name != "WORKER_EXTENSION"
+}
 
 _LINK = re.compile(r"\]\(([^)\s#]+\.md)(#[^)\s]*)?\)")
 _REPO_LINK = re.compile(r"\[([^\]]+)\]\((?!docs/|[a-z]+://|#)[^)\s]+\)")
@@ -92,7 +98,8 @@ def on_page_markdown(markdown: str, page: Any, config: Any, files: Files) -> str
             name = _OLD_ANCHORS.get(anchor.lstrip("#"))
             new = f"reference/{OLD_API[name]}.md" if name else "reference/index.md"
             log.info("%s links to the removed api.md%s: link %s instead", page.file.src_uri, anchor, new)
-            return f"]({posixpath.relpath(new, here or '.')}{f'#hotweights.{name}' if name else ''})"
+            anchor = f"#{_HOMES.get(name, 'hotweights')}.{name}" if name else ""
+            return f"]({posixpath.relpath(new, here or '.')}{anchor})"
         return m.group(0)
 
     return _LINK.sub(relink, markdown)

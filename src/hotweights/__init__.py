@@ -1,17 +1,20 @@
 """hotweights: install fresh weights into a running vLLM engine — validated, versioned, fast.
 
+The top level holds the verbs (``install``, ``install_async``, ``connect``, ``adapter_for``, ``weight_version_of``,
+``weight_versions_of``), the types a caller handles (manifests, specs, layouts, reports, ``WORKER_EXTENSION``) and
+every error. The rest lives in its submodule: adapter classes in :mod:`hotweights.adapters`, engine handles in
+:mod:`hotweights.handles`, transports in :mod:`hotweights.transports`, ``WeightVersions`` in
+:mod:`hotweights.versions`. The former top-level spellings of those (``hotweights.VLLMMultiprocessAdapter``, ...)
+still resolve, to the same objects.
+
 Example:
     >>> import hotweights                                                            # doctest: +SKIP
     >>> report = hotweights.install(llm, model.state_dict(), weight_version=step)    # doctest: +SKIP
 """
 
+from typing import Any as _Any
+
 from hotweights._install import adapter_for, install, install_async
-from hotweights.adapters.base import PrefixCachePolicy, WeightInstallAdapter
-from hotweights.adapters.direct import VLLMDirectSetterAdapter
-from hotweights.adapters.inprocess import VLLMInProcessWeightReloadAdapter
-from hotweights.adapters.multiprocess import VLLMMultiprocessAdapter
-from hotweights.adapters.native import VLLMWeightTransferAdapter
-from hotweights.adapters.weights_path import VLLMWeightsPathAdapter
 from hotweights.core.errors import (
     DeltaBaseMismatchError,
     EngineNotSupportedError,
@@ -29,17 +32,14 @@ from hotweights.core.layout import WeightLayout
 from hotweights.core.manifest import ExpectedWeights, TensorSpec, WeightUpdateManifest
 from hotweights.core.report import InstallReport
 from hotweights.engine.compat import WORKER_EXTENSION
-from hotweights.handles import EngineHandle, PauseMode, as_engine
 from hotweights.handles.remote import connect
-from hotweights.transports import WeightTransport, available_transports, make_transport, register_transport
-from hotweights.versions import WeightVersions, weight_version_of, weight_versions_of
+from hotweights.versions import weight_version_of, weight_versions_of
 
 __version__ = "0.1.0"
 
 __all__ = [
     "WORKER_EXTENSION",
     "DeltaBaseMismatchError",
-    "EngineHandle",
     "EngineNotSupportedError",
     "EngineSleepingError",
     "ExpectedWeights",
@@ -49,30 +49,47 @@ __all__ = [
     "InstallReport",
     "Mismatch",
     "PartialUpdateError",
-    "PauseMode",
-    "PrefixCachePolicy",
     "StaleWeightVersionError",
     "TensorSpec",
     "UnsupportedLayoutError",
-    "VLLMDirectSetterAdapter",
-    "VLLMInProcessWeightReloadAdapter",
-    "VLLMMultiprocessAdapter",
-    "VLLMWeightTransferAdapter",
-    "VLLMWeightsPathAdapter",
-    "WeightInstallAdapter",
     "WeightLayout",
     "WeightManifestValidationError",
-    "WeightTransport",
     "WeightUpdateManifest",
-    "WeightVersions",
     "adapter_for",
-    "as_engine",
-    "available_transports",
     "connect",
     "install",
     "install_async",
-    "make_transport",
-    "register_transport",
     "weight_version_of",
     "weight_versions_of",
 ]
+
+#: Names that were top-level exports before they moved to their submodule: ``hotweights.<name>`` still resolves
+#: (lazily, silently) to the object the submodule exports, but they are not in ``__all__`` or ``dir(hotweights)``.
+_MOVED = {
+    **dict.fromkeys(
+        [
+            "PrefixCachePolicy",
+            "VLLMDirectSetterAdapter",
+            "VLLMInProcessWeightReloadAdapter",
+            "VLLMMultiprocessAdapter",
+            "VLLMWeightTransferAdapter",
+            "VLLMWeightsPathAdapter",
+            "WeightInstallAdapter",
+        ],
+        "hotweights.adapters",
+    ),
+    **dict.fromkeys(["EngineHandle", "PauseMode", "as_engine"], "hotweights.handles"),
+    **dict.fromkeys(
+        ["WeightTransport", "available_transports", "make_transport", "register_transport"], "hotweights.transports"
+    ),
+    "WeightVersions": "hotweights.versions",
+}
+
+
+def __getattr__(name: str) -> _Any:
+    home = _MOVED.get(name)
+    if home is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    from importlib import import_module
+
+    return getattr(import_module(home), name)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import Mapping
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, TypedDict
 
 from hotweights.adapters.base import WeightInstallAdapter
 from hotweights.adapters.inprocess import VLLMInProcessWeightReloadAdapter
@@ -22,7 +22,10 @@ from hotweights.engine import compat
 from hotweights.engine.vllm_plugin import BACKEND
 from hotweights.handles import EngineHandle, PauseMode, as_engine
 
-__all__ = ["adapter_for", "install", "install_async"]
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
+__all__ = ["InstallOptions", "adapter_for", "install", "install_async"]
 
 # The adapter lives on the engine handle (itself kept on the engine object): a registry keyed by the engine would
 # keep every engine alive. When the user drops the engine, all three go together.
@@ -36,7 +39,8 @@ def adapter_for(engine: Any) -> WeightInstallAdapter:
 
     ``engine`` is a ``vllm.LLM``, an ``AsyncLLM`` or an :class:`~hotweights.handles.EngineHandle`. The choice:
 
-    - workers in this process: :class:`VLLMInProcessWeightReloadAdapter` (tensors by reference);
+    - workers in this process: :class:`VLLMInProcessWeightReloadAdapter` with ``install_method="auto"`` (tensors
+      by reference; the direct setter where its plan proves it safe, else vLLM's layerwise reload);
     - started with ``worker_extension_cls=hotweights.WORKER_EXTENSION``: :class:`VLLMMultiprocessAdapter`
       (bucketed shm staging, all-or-nothing commit);
     - started with ``weight_transfer_config={"backend": "hotweights"}``: :class:`VLLMWeightTransferAdapter`;
@@ -48,7 +52,7 @@ def adapter_for(engine: Any) -> WeightInstallAdapter:
         adapter: WeightInstallAdapter | None = getattr(handle, _ATTR, None)
         if adapter is None:
             if handle.inprocess:
-                adapter = VLLMInProcessWeightReloadAdapter(getattr(handle, "llm", engine))
+                adapter = VLLMInProcessWeightReloadAdapter(getattr(handle, "llm", engine), install_method="auto")
             elif handle.worker_extension == compat.WORKER_EXTENSION:
                 adapter = VLLMMultiprocessAdapter(engine, transport=handle.default_transport)
             elif handle.weight_transfer_backend == BACKEND:
@@ -65,21 +69,23 @@ def adapter_for(engine: Any) -> WeightInstallAdapter:
         return adapter
 
 
+class InstallOptions(TypedDict, total=False):
+    """The keyword arguments of :func:`install` besides ``weight_version`` (same meaning, same defaults)."""
+
+    update_id: str | None
+    layout: WeightLayout | None
+    metadata: Mapping[str, MetadataValue] | None
+    force: bool
+    digests: bool
+    pause: PauseMode
+    adapter: WeightInstallAdapter | None
+    delta: bool
+    verify: bool | Literal["strict"] | None
+    cast: Cast | None
+
+
 def install(
-    engine: Any,
-    tensors: TensorsLike,
-    *,
-    weight_version: int,
-    update_id: str | None = None,
-    layout: WeightLayout | None = None,
-    metadata: Mapping[str, MetadataValue] | None = None,
-    force: bool = False,
-    digests: bool = False,
-    pause: PauseMode = "wait",
-    adapter: WeightInstallAdapter | None = None,
-    delta: bool = False,
-    verify: bool | Literal["strict"] | None = None,
-    cast: Cast | None = None,
+    engine: Any, tensors: TensorsLike, *, weight_version: int, **options: Unpack[InstallOptions]
 ) -> InstallReport:
     """Install ``tensors`` (checkpoint format, or ``model.state_dict()`` as transformers holds it) into a running
     engine.
@@ -100,8 +106,8 @@ def install(
             commit="streaming")``) instead of the one :func:`adapter_for` picks.
         verify: after the commit, the engine's workers read the live parameters back and compare them with what
             ``tensors`` put there (fused q/k/v and gate/up slices through the direct setter's plan); a mismatch is an
-            :class:`InstallError` and generation then fails closed. Needs the worker extension (or an adapter that
-            reads back, e.g. ``VLLMDirectSetterAdapter(llm)`` in-process): elsewhere ``ValueError``, nothing written.
+            :class:`InstallError` and generation then fails closed. Needs the install session in the engine (an
+            in-process engine, or the worker extension): elsewhere ``ValueError``, nothing written.
             On CPU, linear weights packed by vLLM hold no data: ``report.readback_unreadable`` counts them, and a
             read-back that compared nothing is logged and said in ``report.readback_note``. ``"strict"``: any
             tensor not read back is an :class:`InstallError` (fail closed). Fused-MoE experts are read back in the
@@ -110,11 +116,12 @@ def install(
             tensor): floating-point tensors of another dtype, e.g. a trainer's fp32 master weights, are cast as
             they are sent, bucket by bucket (never a second copy of the model); ``report.cast_tensors`` counts
             them. Without it a dtype that differs from the engine's is refused before anything is written.
-        delta: send only what changed since the version this adapter last installed into this engine: unchanged
-            tensors are skipped, tensors with few changed elements go as indices + values (see ``docs/delta.md``).
-            The first ``delta=True`` install sends everything (``report.delta == "full"``) and from then on the
-            adapter keeps a host copy of the installed weights (the model's size in host memory; the workers of a
-            multiprocess engine keep one each). ``report.bytes_sent`` says what crossed.
+        delta: send only what changed since the version last installed into this engine (by any adapter on it):
+            unchanged tensors are skipped, tensors with few changed elements go as indices + values (see
+            ``docs/delta.md``). The first ``delta=True`` install sends everything (``report.delta == "full"``) and
+            from then on the engine's handle keeps a host copy of what the engine serves (the model's size in host
+            memory; the workers of a multiprocess engine keep one each, an in-process engine shares the trainer's).
+            ``report.bytes_sent`` says what crossed.
 
     Raises:
         WeightManifestValidationError: the tensors do not match what the engine serves; nothing was written.
@@ -135,27 +142,11 @@ def install(
             "this is an AsyncLLM: its calls are awaited on its event loop, so install from async code with "
             "`report = await hotweights.install_async(engine, tensors, weight_version=step)`"
         )
-    args = (engine, tensors, weight_version, update_id, layout, metadata)
-    return _install(
-        *args, force=force, digests=digests, pause=pause, adapter=adapter, delta=delta, verify=verify, cast=cast
-    )
+    return _install(engine, tensors, weight_version, **options)
 
 
 async def install_async(
-    engine: Any,
-    tensors: TensorsLike,
-    *,
-    weight_version: int,
-    update_id: str | None = None,
-    layout: WeightLayout | None = None,
-    metadata: Mapping[str, MetadataValue] | None = None,
-    force: bool = False,
-    digests: bool = False,
-    pause: PauseMode = "wait",
-    adapter: WeightInstallAdapter | None = None,
-    delta: bool = False,
-    verify: bool | Literal["strict"] | None = None,
-    cast: Cast | None = None,
+    engine: Any, tensors: TensorsLike, *, weight_version: int, **options: Unpack[InstallOptions]
 ) -> InstallReport:
     """:func:`install` for async code: same arguments, report and errors; works on any engine, and is the way to
     install into an ``AsyncLLM`` (await it on the loop the engine runs on).
@@ -175,26 +166,22 @@ async def install_async(
         from hotweights.handles.async_llm import AsyncLLMHandle
 
         assert isinstance(handle, AsyncLLMHandle)
-        handle.bind(asyncio.get_running_loop(), pause)
-    args = (engine, tensors, weight_version, update_id, layout, metadata)
-    return await asyncio.to_thread(
-        _install, *args, force=force, digests=digests, pause=pause, adapter=adapter, delta=delta, verify=verify,
-        cast=cast,
-    )  # fmt: skip
+        handle.bind(asyncio.get_running_loop(), options.get("pause", "wait"))
+    return await asyncio.to_thread(_install, engine, tensors, weight_version, **options)
 
 
 def _install(
     engine: Any,
     tensors: TensorsLike,
     weight_version: int,
-    update_id: str | None,
-    layout: WeightLayout | None,
-    metadata: Mapping[str, MetadataValue] | None,
     *,
-    force: bool,
-    digests: bool,
-    pause: PauseMode,
-    adapter: WeightInstallAdapter | None,
+    update_id: str | None = None,
+    layout: WeightLayout | None = None,
+    metadata: Mapping[str, MetadataValue] | None = None,
+    force: bool = False,
+    digests: bool = False,
+    pause: PauseMode = "wait",
+    adapter: WeightInstallAdapter | None = None,
     delta: bool = False,
     verify: bool | Literal["strict"] | None = None,
     cast: Cast | None = None,

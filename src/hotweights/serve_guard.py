@@ -12,7 +12,7 @@ What it does, before vLLM sees the request:
 - **Token** (every path, every method, websockets too): a request must carry ``Authorization: Bearer <token>`` or
   ``X-HotWeights-Token: <token>``, else it is answered 401 and reaches nothing. Only CORS preflights (``OPTIONS``
   with ``Origin`` and ``Access-Control-Request-Method``, answered by vLLM's CORS middleware) pass without one.
-- **Rendezvous hosts**: a ``hotweights_init_communicator`` or ``init_weight_transfer_engine`` call (through
+- **Rendezvous hosts**: a ``hotweights_engine("join_group", ...)`` or ``init_weight_transfer_engine`` call (through
   ``POST /collective_rpc``, or ``POST /init_weight_transfer_engine``) naming a host other than the caller's own
   address or loopback is refused (403), unless the host is on the allow-list.
 - **Timeouts**: the ``timeout`` of a ``/collective_rpc`` body (and a rendezvous' own ``timeout``) is capped at
@@ -74,7 +74,9 @@ MAX_BODY_BYTES = 64 << 20
 TOKEN_HEADER = b"x-hotweights-token"
 COLLECTIVE_RPC = "/collective_rpc"
 INIT_TRANSFER = "/init_weight_transfer_engine"
-RENDEZVOUS = "hotweights_init_communicator"
+ENGINE_OP = "hotweights_engine"
+#: The ``hotweights_engine`` operation that makes the workers connect to a host (the collective rendezvous).
+RENDEZVOUS = "join_group"
 TRANSFER_INIT = "init_weight_transfer_engine"
 #: Keys of an ``init_info`` that name the host a worker connects to (hotweights' backend; vLLM's NCCL backend).
 INIT_INFO_HOSTS = ("host", "master_address")
@@ -315,17 +317,26 @@ def check_body(path: str, body: bytes, caller: str | None, config: GuardConfig) 
     capped = _cap(timeout, "the call's 'timeout'", config)
     changed = capped is not timeout or "timeout" not in request
     request["timeout"] = capped
-    if method == RENDEZVOUS:
-        host = args[0] if args else kwargs.get("host")
-        _check_host(host, caller, config, method)
-        if len(args) > 4:  # (host, port, world_size, backend, timeout)
-            capped = _cap(args[4], "the rendezvous' timeout", config)
-            changed |= capped is not args[4]
-            args[4] = capped
-        elif "timeout" in kwargs:
-            capped = _cap(kwargs["timeout"], "the rendezvous' timeout", config)
-            changed |= capped is not kwargs["timeout"]
-            kwargs["timeout"] = capped
+    if method == ENGINE_OP:
+        op = args[0] if args else kwargs.get("op")
+        if op == RENDEZVOUS:
+            raw = args[1] if len(args) > 1 else kwargs.get("args_json", "{}")
+            try:
+                join = json.loads(raw) if isinstance(raw, str) else None
+            except (ValueError, RecursionError):
+                join = None
+            if not isinstance(join, dict):
+                raise Refusal(400, f"hotweights guard: the arguments of {op!r} must be a JSON object")
+            _check_host(join.get("host"), caller, config, op)
+            if "timeout" in join:
+                capped = _cap(join["timeout"], "the rendezvous' timeout", config)
+                if capped is not join["timeout"]:
+                    join["timeout"] = capped
+                    changed = True
+                    if len(args) > 1:
+                        args[1] = json.dumps(join)
+                    else:
+                        kwargs["args_json"] = json.dumps(join)
     elif method == TRANSFER_INIT:
         info = args[0] if args else kwargs.get("init_info")
         if not isinstance(info, dict):

@@ -19,11 +19,9 @@ from hotweights import (
     EngineSleepingError,
     InstallError,
     PartialUpdateError,
-    VLLMInProcessWeightReloadAdapter,
-    VLLMMultiprocessAdapter,
     WeightManifestValidationError,
 )
-from hotweights.adapters import weights_path
+from hotweights.adapters import VLLMInProcessWeightReloadAdapter, VLLMMultiprocessAdapter, weights_path
 
 from .conftest import PROMPTS, TinyCheckpoint, Variant, greedy_vllm, our_shm, start_engine, stop_engine
 

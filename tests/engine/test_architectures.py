@@ -22,7 +22,8 @@ import torch
 from safetensors.torch import load_file
 
 import hotweights
-from hotweights import InstallError, VLLMMultiprocessAdapter, WeightManifestValidationError
+from hotweights import InstallError, WeightManifestValidationError
+from hotweights.adapters import VLLMMultiprocessAdapter
 from hotweights.testing import ARCHS, MOE_ARCHS, TRANSFORMERS_BACKEND
 
 from .conftest import TinyCheckpoint, Variant, greedy_vllm, our_shm, start_engine, stop_engine
@@ -105,7 +106,7 @@ def test_inprocess(variant: Variant, checkpoint: Callable[[Variant, int], TinyCh
     llm = start_engine(a.path, multiprocess=False)
     try:
         versions = itertools.count(1)
-        assert a_to_b_to_a(llm, a, b, versions).adapter == "inprocess-reload"
+        assert a_to_b_to_a(llm, a, b, versions).adapter == "inprocess-auto"
         # the checkpoint's own tensors (per-expert names for MoE), installed twice: B -> B must not change a token
         for _ in range(2):
             hotweights.install(llm, checkpoint_tensors(b), weight_version=next(versions))

@@ -16,17 +16,14 @@ import pytest
 import torch
 
 import hotweights
-from hotweights import (
-    DeltaBaseMismatchError,
-    InstallError,
-    VLLMInProcessWeightReloadAdapter,
-    VLLMMultiprocessAdapter,
-    WeightTransport,
-    WeightUpdateManifest,
-)
+from hotweights import DeltaBaseMismatchError, InstallError, WeightUpdateManifest
+from hotweights.adapters import VLLMInProcessWeightReloadAdapter, VLLMMultiprocessAdapter
 from hotweights.core.buckets import Bucket
+from hotweights.engine import compat
+from hotweights.engine.worker_ops import reload_checkpoint_tensors
+from hotweights.handles.llm import LLMHandle
 from hotweights.testing import greedy_hf
-from hotweights.transports import EngineLink, Stage, make_transport
+from hotweights.transports import EngineLink, Stage, WeightTransport, make_transport
 
 from .conftest import TinyCheckpoint, Variant, greedy_vllm, start_engine, stop_engine
 
@@ -78,7 +75,7 @@ def inprocess(trainer: Trainer) -> Iterator[Any]:
 def test_inprocess_first_delta_is_full_then_a_to_a_prime(inprocess: Any, trainer: Trainer) -> None:
     first = hotweights.install(inprocess, trainer.a.state_dict(), weight_version=1, delta=True)
     assert (first.delta, first.bytes_sent) == ("full", first.num_bytes)
-    assert first.adapter == "inprocess-reload"
+    assert first.adapter == "inprocess-auto"
     for v in (2, 3):
         previous, sd = trainer.steps[-1], trainer.step()
         report = hotweights.install(inprocess, sd, weight_version=v, delta=True)
@@ -91,28 +88,46 @@ def test_inprocess_first_delta_is_full_then_a_to_a_prime(inprocess: Any, trainer
         assert inprocess.llm_engine.get_weight_version() == str(v)
 
 
-def test_inprocess_delta_with_the_wrong_base_refused(inprocess: Any, trainer: Trainer) -> None:
+def test_a_full_install_through_another_adapter_keeps_the_delta_base(inprocess: Any, trainer: Trainer) -> None:
+    """The delta base lives with the engine's handle: once deltas are in use on the engine, a full install made by
+    any adapter on it keeps the base current, so the next delta applies against what the engine serves. (It was
+    per adapter: this delta was refused and sent everything.)"""
     b = trainer.b
-    other = VLLMInProcessWeightReloadAdapter(inprocess)  # another trainer installs B meanwhile
+    other = VLLMInProcessWeightReloadAdapter(inprocess)
     other.install(WeightUpdateManifest.from_state_dict(b.state_dict(), weight_version=50), b.state_dict())
     assert greedy_vllm(inprocess) == b.fresh
-    with pytest.raises(DeltaBaseMismatchError, match="delta=False"):
-        hotweights.install(inprocess, trainer.step(), weight_version=51, delta=True)
+    sd = nudged(b.state_dict(), seed=50)
+    report = hotweights.install(inprocess, sd, weight_version=51, delta=True)
+    assert report.delta == "applied" and report.bytes_sent < 0.1 * report.num_bytes, str(report)
+    assert greedy_vllm(inprocess) == trainer.hf(sd)
+    trainer.steps.append(sd)
+
+
+def test_inprocess_delta_with_the_wrong_base_refused(inprocess: Any, trainer: Trainer) -> None:
+    """Weights installed behind hotweights' back (vLLM's own reload and version record): the engine no longer serves
+    the base, so the delta is refused and nothing is written."""
+    b = trainer.b
+    inprocess.collective_rpc(reload_checkpoint_tensors, args=(list(b.state_dict().items()),))
+    compat.set_engine_weight_version(inprocess, "70")
+    inprocess.reset_prefix_cache()
+    assert greedy_vllm(inprocess) == b.fresh
+    with pytest.raises(DeltaBaseMismatchError, match="serves v70"):
+        hotweights.install(inprocess, trainer.step(), weight_version=71, delta=True)
     assert greedy_vllm(inprocess) == b.fresh  # nothing written
-    assert inprocess.llm_engine.get_weight_version() == "50"
+    assert inprocess.llm_engine.get_weight_version() == "70"
     # a full install, then deltas again
     sd = trainer.steps[-1]
-    report = hotweights.install(inprocess, sd, weight_version=52, delta=False)
+    report = hotweights.install(inprocess, sd, weight_version=72, delta=False)
     assert report.delta == "off" and report.bytes_sent == report.num_bytes
     sd = trainer.step()
-    report = hotweights.install(inprocess, sd, weight_version=53, delta=True)
+    report = hotweights.install(inprocess, sd, weight_version=73, delta=True)
     assert report.delta == "applied"
     assert greedy_vllm(inprocess) == trainer.hf(sd)
 
 
 def test_inprocess_delta_through_install_async(inprocess: Any, trainer: Trainer) -> None:
     sd = trainer.step()
-    report = asyncio.run(hotweights.install_async(inprocess, sd, weight_version=60, delta=True))
+    report = asyncio.run(hotweights.install_async(inprocess, sd, weight_version=80, delta=True))
     assert report.delta == "applied" and report.bytes_sent < 0.1 * report.num_bytes
     assert greedy_vllm(inprocess) == trainer.hf(sd)
 
@@ -183,10 +198,10 @@ def test_multiprocess_a_to_a_prime_and_faults(multiprocess: Any, trainer: Traine
     assert report.delta == "applied"
     assert greedy_vllm(llm) == trainer.hf(sd)
 
-    # a delta against a base the workers do not hold: another trainer installed B meanwhile
+    # a delta against a base the workers do not hold: another trainer (its own handle on the engine, as from another
+    # process) installed B meanwhile
     b = trainer.b
-    other = VLLMMultiprocessAdapter(llm, transport="shm")
-    other.active_weight_version = 3
+    other = VLLMMultiprocessAdapter(LLMHandle(llm), transport="shm")
     install(b.state_dict(), 10, delta=False, via=other)
     with pytest.raises(DeltaBaseMismatchError, match="serves v10"):
         install(trainer.step(), 11)

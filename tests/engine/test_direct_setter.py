@@ -10,8 +10,10 @@ from typing import Any
 import pytest
 import torch
 
-from hotweights import VLLMDirectSetterAdapter, WeightManifestValidationError, WeightUpdateManifest
+from hotweights import WeightManifestValidationError, WeightUpdateManifest
+from hotweights.adapters import VLLMDirectSetterAdapter
 from hotweights.core.placement import place
+from hotweights.engine.direct import model_slots
 
 from .conftest import TinyCheckpoint, Variant, greedy_vllm, start_engine, stop_engine
 
@@ -95,7 +97,7 @@ def test_tensor_parallel_plan_on_real_layer_shapes(engine: Engine, tp_size: int)
     (k/v heads replicated when tp_size exceeds them) and fill each rank's parameter without gaps."""
     sd = engine.b.state_dict()
     engine.adapter.plan(WeightUpdateManifest.from_state_dict(sd, weight_version=99))
-    slots = engine.adapter._slots or {}
+    slots = model_slots(engine.adapter.model)
     for name, slot in slots.items():
         if name not in sd or slot.target.kind not in ("qkv", "merged_column", "column", "row", "vocab"):
             continue

@@ -13,7 +13,9 @@ import pytest
 import torch
 
 import hotweights
-from hotweights import VLLMMultiprocessAdapter, WeightUpdateManifest
+import hotweights.transports
+from hotweights import WeightUpdateManifest
+from hotweights.adapters import VLLMDirectSetterAdapter, VLLMMultiprocessAdapter
 from hotweights.engine import compat
 from hotweights.engine.direct import direct_refusals
 from hotweights.testing import build_tiny_model, greedy_hf, save_tiny_model
@@ -80,7 +82,7 @@ def test_streaming_auto_decides_at_begin(engine: Engine) -> None:
 
 
 def test_kept_segments_with_streaming_need_a_forced_direct_setter(engine: Engine) -> None:
-    kept = hotweights.make_transport("shm", keep_segments=True)
+    kept = hotweights.transports.make_transport("shm", keep_segments=True)
     with pytest.raises(ValueError, match="may fall back to that reload"):
         VLLMMultiprocessAdapter(engine.llm, transport=kept, commit="streaming")
     kept.close()
@@ -105,6 +107,14 @@ def test_unlisted_model_falls_back_to_reload_with_the_reason(tmp_path: Path) -> 
         assert report.install_reason is not None
         assert "cannot prove this model safe: model class Phi3ForCausalLM" in report.install_reason
         assert greedy_vllm(llm) == want_b
+        # The same rule in-process, through the session: the default falls back to the reload, and a forced direct
+        # install is refused before anything is written, with the error the rule raises (not an InstallError).
+        report = hotweights.install(llm, dict(a.state_dict()), weight_version=2)
+        assert (report.adapter, report.install_method) == ("inprocess-auto", "reload"), str(report)
+        assert greedy_vllm(llm) == want_a
+        with pytest.raises(hotweights.EngineNotSupportedError, match="cannot prove an install into this model exact"):
+            VLLMDirectSetterAdapter(llm).install(WeightUpdateManifest.from_state_dict(sd, weight_version=3), sd)
+        assert greedy_vllm(llm) == want_a  # nothing written
         refusals = direct_refusals(compat.inprocess_model(llm))
         assert len(refusals) == 1  # the model class only: all its layers are allow-listed kinds
     finally:

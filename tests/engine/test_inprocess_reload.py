@@ -11,13 +11,9 @@ import pytest
 import torch
 
 import hotweights
-from hotweights import (
-    StaleWeightVersionError,
-    VLLMInProcessWeightReloadAdapter,
-    WeightManifestValidationError,
-    WeightUpdateManifest,
-)
-from hotweights.engine import compat
+from hotweights import StaleWeightVersionError, WeightManifestValidationError, WeightUpdateManifest
+from hotweights.adapters import VLLMInProcessWeightReloadAdapter
+from hotweights.engine import worker_ops
 from hotweights.engine.worker_ops import reload_checkpoint_tensors
 from hotweights.testing import build_tiny_model
 
@@ -87,7 +83,14 @@ def test_report_and_versions(engine: Engine) -> None:
     sent = {n: t for n, t in engine.b.state_dict().items() if not (engine.b.variant.tie and n == "lm_head.weight")}
     assert report.num_tensors == len(sent)
     assert report.num_bytes == sum(t.nbytes for t in sent.values())
-    assert list(report.phases) == ["validate", "wait_generation", "install", "reset_prefix_cache", "record_version"]
+    assert list(report.phases) == [
+        "validate",
+        "begin",
+        "wait_generation",
+        "install",
+        "reset_prefix_cache",
+        "record_version",
+    ]
     if engine.b.variant.tie:
         assert report.skipped and report.skipped[0].startswith("lm_head.weight")
     else:
@@ -202,7 +205,7 @@ def test_one_call_install(engine: Engine) -> None:
     # the fixture adapter and hotweights.install's own share the engine's version line
     v = engine.version()
     report = hotweights.install(engine.llm, engine.b.state_dict(), weight_version=v)
-    assert report.adapter == "inprocess-reload"
+    assert report.adapter == "inprocess-auto"
     assert engine.outputs() == engine.b.fresh
     with pytest.raises(StaleWeightVersionError):
         hotweights.install(engine.llm, engine.a.state_dict(), weight_version=v)
@@ -246,13 +249,12 @@ def test_failure_after_a_partial_write_clears_kv_cache_and_next_install_heals(
     says so, the KV cache is zeroed and the prefix cache reset, and the next full install serves B exactly."""
     engine.install(engine.a)
     greedy_vllm(engine.llm)  # fill KV blocks
-    real = compat.reload_weights
 
-    def dies_halfway(llm: Any, items: Any, timeout: float | None = None) -> None:
-        real(llm, [(n, t) for n, t in items if ".k_proj." not in n and ".v_proj." not in n], timeout)
+    def dies_halfway(worker: Any, items: Any) -> int:
+        reload_checkpoint_tensors(worker, [(n, t) for n, t in items if ".k_proj." not in n and ".v_proj." not in n])
         raise RuntimeError("worker died after writing some layers")
 
-    monkeypatch.setattr(compat, "reload_weights", dies_halfway)
+    monkeypatch.setattr(worker_ops, "reload_checkpoint_tensors", dies_halfway)
     version = engine.adapter.active_weight_version
     with pytest.raises(hotweights.InstallError, match=r"Some layers may hold new weights; .* KV-cache tensors zeroed"):
         engine.install(engine.b)
@@ -271,16 +273,16 @@ def test_reload_that_raises_inside_vllm_leaves_a_usable_model(engine: Engine, mo
     fails closed, and the next full install (a fresh layerwise reload of every layer) serves B exactly."""
     engine.install(engine.a)
 
-    def stops_midway(llm: Any, items: Any, timeout: float | None = None) -> None:
+    def stops_midway(worker: Any, items: Any) -> int:
         items = list(items)
 
         def feed() -> Any:
             yield from items[: len(items) // 2]
             raise RuntimeError("the sender died inside the reload")
 
-        llm.collective_rpc(reload_checkpoint_tensors, timeout=timeout, args=(feed(),))
+        return reload_checkpoint_tensors(worker, feed())
 
-    monkeypatch.setattr(compat, "reload_weights", stops_midway)
+    monkeypatch.setattr(worker_ops, "reload_checkpoint_tensors", stops_midway)
     with pytest.raises(hotweights.InstallError, match="the sender died inside the reload"):
         engine.install(engine.b)
     monkeypatch.undo()

@@ -19,18 +19,18 @@ import torch
 from safetensors.torch import save_file
 
 import hotweights
+import hotweights.adapters
 from hotweights import (
     ExpectedWeights,
     InstallError,
     PartialUpdateError,
-    VLLMMultiprocessAdapter,
     WeightManifestValidationError,
-    WeightTransport,
     WeightUpdateManifest,
 )
+from hotweights.adapters import VLLMMultiprocessAdapter
 from hotweights.core.buckets import Bucket, plan_buckets
 from hotweights.testing import build_tiny_model, save_tiny_model
-from hotweights.transports import EngineLink, Stage, make_transport
+from hotweights.transports import EngineLink, Stage, WeightTransport, make_transport
 from hotweights.transports.shm import SHM_DIR, sweep_stale
 
 from .conftest import TinyCheckpoint, Variant, greedy_vllm, our_shm, start_engine, stop_engine
@@ -116,7 +116,7 @@ def test_cast_engine_through_the_transport_and_the_zero_config_path(
     engine then serves what a fresh fp32 engine on the bf16 checkpoint serves."""
     sd, expected = half
     assert expected != engine.a.fresh
-    adapter = engine.adapter("shm") if path == "extension" else hotweights.VLLMWeightsPathAdapter(engine.llm)
+    adapter = engine.adapter("shm") if path == "extension" else hotweights.adapters.VLLMWeightsPathAdapter(engine.llm)
     adapter.active_weight_version = engine._version
     engine.install(engine.a)
     with pytest.raises(WeightManifestValidationError, match='cast="engine"'):
@@ -527,7 +527,9 @@ def test_kept_shm_segments_are_reused_and_released(engine: Engine) -> None:
         assert len(transport._kept) == kept  # type: ignore[attr-defined]
     finally:
         adapter.close()
-    assert engine.llm.collective_rpc("hotweights_release_segments") == [0]  # close() released the workers' maps
+    assert engine.llm.collective_rpc("hotweights_engine", args=("release_segments",)) == [
+        0
+    ]  # close() released the workers' maps
 
 
 def test_kept_segments_do_not_combine_with_streaming(engine: Engine) -> None:
@@ -548,4 +550,4 @@ def test_streaming_direct_carries_every_bucket_in_one_kept_segment(engine: Engin
         assert our_shm() == []
     finally:
         adapter.close()
-    assert engine.llm.collective_rpc("hotweights_release_segments") == [0]
+    assert engine.llm.collective_rpc("hotweights_engine", args=("release_segments",)) == [0]

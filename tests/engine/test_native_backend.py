@@ -10,7 +10,8 @@ from typing import Any
 import pytest
 import torch
 
-from hotweights import InstallError, VLLMWeightTransferAdapter, WeightUpdateManifest
+from hotweights import InstallError, WeightUpdateManifest
+from hotweights.adapters import VLLMWeightTransferAdapter
 from hotweights.core.buckets import plan_buckets
 from hotweights.transports import make_transport
 

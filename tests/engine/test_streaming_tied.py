@@ -11,7 +11,9 @@ import pytest
 import torch
 
 import hotweights
-from hotweights import VLLMMultiprocessAdapter, WeightUpdateManifest, make_transport
+from hotweights import WeightUpdateManifest
+from hotweights.adapters import VLLMMultiprocessAdapter
+from hotweights.transports import make_transport
 
 from .conftest import TinyCheckpoint, Variant, greedy_vllm, start_engine, stop_engine
 

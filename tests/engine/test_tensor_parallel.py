@@ -12,7 +12,8 @@ import pytest
 import torch
 
 import hotweights
-from hotweights import VLLMMultiprocessAdapter, VLLMWeightsPathAdapter, WeightInstallAdapter, WeightUpdateManifest
+from hotweights import WeightUpdateManifest
+from hotweights.adapters import VLLMMultiprocessAdapter, VLLMWeightsPathAdapter, WeightInstallAdapter
 from hotweights.transports import make_transport
 from hotweights.transports.shm import SHM_DIR
 

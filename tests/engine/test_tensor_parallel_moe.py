@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import hotweights
-from hotweights import VLLMWeightsPathAdapter
+from hotweights.adapters import VLLMWeightsPathAdapter
 
 from .conftest import TinyCheckpoint, Variant, greedy_vllm, our_shm
 from .test_tensor_parallel import tp2_engine

@@ -15,14 +15,8 @@ import pytest
 import torch
 
 import hotweights
-from hotweights import (
-    InstallError,
-    PartialUpdateError,
-    VLLMDirectSetterAdapter,
-    VLLMMultiprocessAdapter,
-    WeightUpdateManifest,
-)
-from hotweights.adapters import direct as direct_adapter
+from hotweights import InstallError, PartialUpdateError, WeightUpdateManifest
+from hotweights.adapters import VLLMDirectSetterAdapter, VLLMMultiprocessAdapter
 from hotweights.engine import compat
 from hotweights.engine import direct as direct_engine
 
@@ -88,7 +82,7 @@ def test_direct_setter_reads_everything_back_and_catches_a_corrupted_slice(
             assert "verify" in report.phases and f"(read back: {len(sd)} tensors equal, 0 unreadable)" in str(report)
             assert greedy_vllm(llm) == b.hf
 
-            mp.setattr(direct_adapter, "apply_direct", _corrupting(direct_adapter.apply_direct, _flip_a_k_row))
+            mp.setattr(direct_engine, "apply_direct", _corrupting(direct_engine.apply_direct, _flip_a_k_row))
             with pytest.raises(InstallError, match=rf"readback after the install: 1 tensor.*{K}"):
                 adapter.install(_manifest(a.state_dict(), 2), a.state_dict())
             with pytest.raises(PartialUpdateError):  # fails closed
@@ -112,12 +106,17 @@ def test_workers_read_back_what_holds_data_and_fail_closed_on_a_mismatch(
     llm = start_engine(a.path, multiprocess=False, worker_extension_cls=compat.WORKER_EXTENSION)
     try:
         sd = b.state_dict()
-        with pytest.raises(ValueError, match=r"cannot read the engine's parameters back.*nothing was written"):
-            hotweights.install(llm, sd, weight_version=1, verify=True)  # picks the in-process reload adapter
+        layers = 2
+        # the in-process default runs the same session in the same worker: it reads back too (it refused before)
+        report = hotweights.install(llm, sd, weight_version=1, verify=True)
+        assert (report.adapter, report.install_method) == ("inprocess-auto", "direct"), str(report)
+        assert report.readback_unreadable == LINEAR_PER_LAYER * layers
+        assert report.readback_verified == len(sd) - LINEAR_PER_LAYER * layers
+        assert greedy_vllm(llm) == b.hf
+        hotweights.install(llm, a.state_dict(), weight_version=2)
         assert greedy_vllm(llm) == a.hf
         adapter = VLLMMultiprocessAdapter(llm)
-        layers = 2
-        for version, method in enumerate(("auto", "reload"), start=1):
+        for version, method in enumerate(("auto", "reload"), start=3):
             adapter.install_method = method
             report = hotweights.install(llm, sd, weight_version=version, verify=True, adapter=adapter)
             assert report.install_method == ("direct" if method == "auto" else "reload")
@@ -130,11 +129,11 @@ def test_workers_read_back_what_holds_data_and_fail_closed_on_a_mismatch(
             direct_engine, "apply_direct", _corrupting(direct_engine.apply_direct, _flip_the_final_norm)
         )
         with pytest.raises(InstallError, match=r"readback after the install: 1 tensor.*model\.norm\.weight"):
-            hotweights.install(llm, a.state_dict(), weight_version=3, verify=True, adapter=adapter)
+            hotweights.install(llm, a.state_dict(), weight_version=5, verify=True, adapter=adapter)
         with pytest.raises(PartialUpdateError):
             greedy_vllm(llm)
         monkeypatch.undo()
-        hotweights.install(llm, a.state_dict(), weight_version=3, verify=True, adapter=adapter)
+        hotweights.install(llm, a.state_dict(), weight_version=5, verify=True, adapter=adapter)
         assert greedy_vllm(llm) == a.hf
     finally:
         stop_engine(llm)

@@ -54,7 +54,8 @@ def test_the_engine_holds_the_version_across_adapters_and_trainer_restarts(
     checkpoint: Callable[[Variant, int], TinyCheckpoint],
 ) -> None:
     """Issue 17: versions were per adapter, so a second adapter (or a restarted trainer) accepted any version."""
-    from hotweights import StaleWeightVersionError, VLLMDirectSetterAdapter, VLLMInProcessWeightReloadAdapter
+    from hotweights import StaleWeightVersionError
+    from hotweights.adapters import VLLMDirectSetterAdapter, VLLMInProcessWeightReloadAdapter
     from hotweights.handles import _ATTR
 
     a, b = checkpoint(VARIANT, 1), checkpoint(VARIANT, 2)

@@ -20,6 +20,8 @@ import torch
 from safetensors.torch import save_file
 
 import hotweights
+import hotweights.adapters
+import hotweights.handles
 from hotweights.handles.pause import PauseOwner
 from hotweights.handles.remote import RemoteHandle
 from hotweights.testing import PROMPTS
@@ -63,7 +65,7 @@ def test_connect_reads_the_server(engine: RemoteHandle, server: Server, models: 
     assert engine.served_model == str(models["path"])
     expected = engine.expected_weights()
     assert expected is not None and set(expected.tensors) == set(models["A"].state_dict())
-    assert hotweights.as_engine(engine) is engine
+    assert hotweights.handles.as_engine(engine) is engine
     assert server.completions(PROMPTS) == models["hf"]["A"]
 
 
@@ -96,7 +98,7 @@ def test_server_error_carries_its_message(engine: RemoteHandle) -> None:
 
 
 def test_bytes_transport_is_refused(engine: RemoteHandle, models: dict[str, Any]) -> None:
-    adapter = hotweights.VLLMMultiprocessAdapter(engine, transport="bytes")
+    adapter = hotweights.adapters.VLLMMultiprocessAdapter(engine, transport="bytes")
     manifest = hotweights.WeightUpdateManifest.from_state_dict(models["A"].state_dict(), weight_version=1)
     with pytest.raises(hotweights.EngineNotSupportedError, match="'shm' transport"):
         adapter.install(manifest, models["A"].state_dict(), force=True)  # whatever the server's version
@@ -104,7 +106,7 @@ def test_bytes_transport_is_refused(engine: RemoteHandle, models: dict[str, Any]
 
 def test_collective_transport_on_loopback(engine: RemoteHandle, server: Server, models: dict[str, Any]) -> None:
     """What a trainer on another host would use (forced here: the server is on loopback)."""
-    with hotweights.VLLMMultiprocessAdapter(engine, transport="collective") as adapter:
+    with hotweights.adapters.VLLMMultiprocessAdapter(engine, transport="collective") as adapter:
         for version, name in ((11, "A"), (12, "B")):
             manifest = hotweights.WeightUpdateManifest.from_state_dict(
                 models[name].state_dict(), weight_version=version
@@ -271,7 +273,7 @@ def test_a_failed_write_leaves_the_server_paused_until_an_install_heals_it(
     installs in full and resumes the server."""
     sd = models["A"].state_dict()
     with hotweights.connect(server.url, timeout=TIMEOUT) as first:
-        adapter = hotweights.VLLMMultiprocessAdapter(
+        adapter = hotweights.adapters.VLLMMultiprocessAdapter(
             first, transport=_DiesAfter(2), commit="streaming", install_method="direct", bucket_bytes=100_000
         )
         manifest = hotweights.WeightUpdateManifest.from_state_dict(sd, weight_version=next_version(engine))

@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 import hotweights
+import hotweights.adapters
 from hotweights.engine.vllm_plugin import BACKEND
 from hotweights.handles.remote import RemoteHandle
 from hotweights.testing import PROMPTS
@@ -46,7 +47,7 @@ def test_backend_install_a_b_a_matches_hf(engine: RemoteHandle, server: Server, 
 
 
 def test_backend_collective_on_loopback(engine: RemoteHandle, server: Server, models: dict[str, Any]) -> None:
-    with hotweights.VLLMWeightTransferAdapter(engine, transport="collective") as adapter:
+    with hotweights.adapters.VLLMWeightTransferAdapter(engine, transport="collective") as adapter:
         manifest = hotweights.WeightUpdateManifest.from_state_dict(models["B"].state_dict(), weight_version=3)
         assert adapter.install(manifest, models["B"].state_dict()).adapter == "vllm-weight-transfer-collective"
         assert server.completions(PROMPTS) == models["hf"]["B"]

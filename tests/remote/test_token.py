@@ -19,6 +19,8 @@ import httpx
 import pytest
 
 import hotweights
+import hotweights.adapters
+from hotweights.engine.session import PROTOCOL
 from hotweights.testing import PROMPTS, build_tiny_model, greedy_hf, save_tiny_model
 from tests.remote.server import CPU_FLAGS, Server, free_port, serving
 
@@ -97,7 +99,7 @@ def completion_body(server: GuardedServer, **extra: Any) -> dict[str, Any]:
 
 
 def test_requests_without_the_token_get_401(server: GuardedServer) -> None:
-    ping = {"method": "hotweights_ping", "args": [], "kwargs": {}, "timeout": 10.0}
+    ping = {"method": "hotweights_engine", "args": ["status", "{}"], "kwargs": {}, "timeout": 10.0}
     requests: list[tuple[str, str, Any]] = [
         ("POST", "/collective_rpc", ping),
         ("POST", "/v1/completions", completion_body(server)),
@@ -118,7 +120,7 @@ def test_requests_without_the_token_get_401(server: GuardedServer) -> None:
                 assert "HOTWEIGHTS_TOKEN" in answer.json()["error"]["message"]
     with server.client() as client:  # the anonymous pause did not run; the token passes, as either header
         assert client.get("/is_paused").json() == {"is_paused": False}
-        assert client.post("/collective_rpc", json=ping).json() == {"results": ["hotweights"]}
+        assert client.post("/collective_rpc", json=ping).json()["results"][0]["hotweights"] == "hotweights"
     with server.anonymous() as bearer:
         assert bearer.get("/v1/models", headers={"Authorization": f"Bearer {server.token}"}).is_success
 
@@ -144,7 +146,7 @@ def test_connect_reads_hotweights_token_and_the_collective_rendezvous_passes(
     version = next_version(server)
     with (
         hotweights.connect(server.url, timeout=TIMEOUT) as engine,
-        hotweights.VLLMMultiprocessAdapter(engine, transport="collective") as adapter,
+        hotweights.adapters.VLLMMultiprocessAdapter(engine, transport="collective") as adapter,
     ):
         for offset, name in enumerate(("B", "A")):
             state = models[name].state_dict()  # fused experts: hotweights.install maps them to checkpoint names
@@ -180,16 +182,16 @@ def test_a_streamed_completion_passes_the_guard(server: GuardedServer) -> None:
 def test_the_guard_bounds_collective_rpc(server: GuardedServer) -> None:
     outputs = server.completions(PROMPTS)
     with server.client() as client:
-        far = {"method": "hotweights_init_communicator", "args": ["10.255.255.1", 29500, 2, "gloo", 1.0],
-               "kwargs": {}, "timeout": 5.0}  # fmt: skip
+        join = json.dumps({"host": "10.255.255.1", "port": 29500, "world_size": 2, "backend": "gloo", "timeout": 1.0})
+        far = {"method": "hotweights_engine", "args": ["join_group", join], "kwargs": {}, "timeout": 5.0}
         refused = client.post("/collective_rpc", json=far)
         assert refused.status_code == 403
         assert "--communicator-hosts" in refused.json()["error"]["message"]
-        not_seconds = {"method": "hotweights_ping", "args": [], "kwargs": {}, "timeout": "forever"}
+        not_seconds = {"method": "hotweights_engine", "args": ["status", "{}"], "kwargs": {}, "timeout": "forever"}
         assert client.post("/collective_rpc", json=not_seconds).status_code == 400
         assert client.post("/collective_rpc", content=b"{not json").status_code == 400
-        capped = {"method": "hotweights_ping", "args": [], "kwargs": {}, "timeout": 1e9}
-        assert client.post("/collective_rpc", json=capped).json() == {"results": ["hotweights"]}
+        capped = {"method": "hotweights_engine", "args": ["status", "{}"], "kwargs": {}, "timeout": 1e9}
+        assert client.post("/collective_rpc", json=capped).json()["results"][0]["protocol"] == PROTOCOL
     with hotweights.connect(server.url, token=server.token, timeout=TIMEOUT) as engine:
-        assert engine.call("hotweights_ping") == ["hotweights"]  # timeout None: capped, still answered
+        assert engine.call("hotweights_engine", "status", "{}")[0]["hotweights"] == "hotweights"  # timeout None: capped
     assert server.completions(PROMPTS) == outputs

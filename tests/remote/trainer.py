@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 import hotweights
+import hotweights.adapters
 from hotweights.core.buckets import Bucket
 from hotweights.transports import Stage
 from hotweights.transports.shm import Transport
@@ -27,7 +28,7 @@ def main() -> None:
     url, weights, version = sys.argv[1], sys.argv[2], int(sys.argv[3])
     tensors = load_file(weights)
     engine = hotweights.connect(url, timeout=20.0)
-    adapter = hotweights.VLLMMultiprocessAdapter(engine, transport=SlowShm(), bucket_bytes=16 << 10)
+    adapter = hotweights.adapters.VLLMMultiprocessAdapter(engine, transport=SlowShm(), bucket_bytes=16 << 10)
     manifest = hotweights.WeightUpdateManifest.from_state_dict(tensors, weight_version=version)
     print("connected", flush=True)
     print(adapter.install(manifest, tensors), flush=True)

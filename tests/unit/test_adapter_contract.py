@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import hotweights
+import hotweights.adapters
 from hotweights import (
     ExpectedWeights,
     HotWeightsTimeoutError,
@@ -22,11 +23,11 @@ from hotweights import (
     StaleWeightVersionError,
     TensorSpec,
     UnsupportedLayoutError,
-    WeightInstallAdapter,
     WeightLayout,
     WeightManifestValidationError,
     WeightUpdateManifest,
 )
+from hotweights.adapters import WeightInstallAdapter
 from hotweights.core.gate import ServingGate
 from hotweights.core.report import PhaseTimer
 
@@ -402,7 +403,7 @@ def test_invalid_prefix_cache_policy_is_refused(bad: object) -> None:
 def test_prefix_cache_policy_is_exported() -> None:
     import typing
 
-    assert typing.get_args(hotweights.PrefixCachePolicy) == ("reset", "keep")
+    assert typing.get_args(hotweights.adapters.PrefixCachePolicy) == ("reset", "keep")
 
 
 # ---------------------------------------------------------------------------------------------- regressions

@@ -1,8 +1,10 @@
-"""The collective transport end to end on gloo, with a thread standing in for an engine worker (no vLLM)."""
+"""The collective transport end to end on gloo, with a thread standing in for an engine worker (no vLLM): the real
+worker extension's ``hotweights_engine`` operations, reached as the extension's wire reaches them (JSON arguments)."""
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import threading
 import time
@@ -14,17 +16,19 @@ import torch
 
 from hotweights import HotWeightsError, HotWeightsTimeoutError, InstallError, WeightUpdateManifest
 from hotweights.core.buckets import plan_buckets, unpack
-from hotweights.engine.staging import StagingArea
+from hotweights.engine.session import SessionOptions
+from hotweights.engine.worker_extension import HotWeightsWorkerExtension
 from hotweights.transports import EngineLink
 from hotweights.transports import collective as coll
 
 
-class FakeWorker:
+class FakeWorker(HotWeightsWorkerExtension):
     rank = 0
 
 
 class ThreadEngine:
-    """An EngineLink whose one 'worker' runs the real engine-side functions in this process."""
+    """An EngineLink whose one 'worker' runs the real worker extension in this process (its operations' arguments
+    cross as the JSON object ``hotweights_engine`` reads); ``join=False``: the worker never joins a group."""
 
     num_workers = 1
 
@@ -33,13 +37,11 @@ class ThreadEngine:
         self.join = join
         self.calls: list[str] = []
 
-    def call(self, method: str, *args: Any) -> list[Any]:
-        self.calls.append(method)
-        if method == "hotweights_init_communicator" and self.join:
-            coll.init_worker_group(self.worker, *args)
-        elif method == "hotweights_close_communicator":
-            coll.close_group(self.worker)
-        return [None]
+    def engine_op(self, op: str, **args: Any) -> list[Any]:
+        self.calls.append(op)
+        if op == "join_group" and not self.join:
+            return [None]
+        return [self.worker.hotweights_engine(op, json.dumps(args))]
 
 
 def test_broadcast_round_trip_and_reconnect() -> None:
@@ -60,7 +62,8 @@ def test_broadcast_round_trip_and_reconnect() -> None:
         assert received.keys() == sd.keys()
         assert all(torch.equal(received[k], sd[k]) for k in sd)
         transport.close()
-    assert engine.calls.count("hotweights_init_communicator") == 2
+    assert engine.calls.count("join_group") == 2
+    assert engine.calls[-1] == "leave_group"  # close() drops the workers' end
     assert getattr(engine.worker, "_hotweights_group", None) is None
 
 
@@ -123,10 +126,12 @@ def _one_bucket(shape: tuple[int, ...] = (4, 4)) -> tuple[dict[str, torch.Tensor
 
 
 def _stager(engine: ThreadEngine, manifest: WeightUpdateManifest, bucket: Any) -> Any:
-    """A stage call into a real staging area that expects ``manifest`` (it refuses a bucket that does not fit)."""
-    area = StagingArea(engine.worker)
-    update_id = area.begin(manifest.to_json())
-    return lambda d: area.stage(update_id, bucket.model_dump_json(), d)
+    """A stage call into the worker's real install session, opened for ``manifest`` (it refuses a bucket that does
+    not fit)."""
+    options = SessionOptions(manifest=manifest.to_json(), method="reload")
+    opened = engine.worker.hotweights_begin(options.model_dump_json())
+    assert opened["ok"], opened
+    return lambda d: engine.worker.hotweights_stage(opened["update_id"], bucket.model_dump_json(), d)
 
 
 def _broadcasts_left() -> list[str]:
@@ -172,7 +177,7 @@ def test_stage_answered_without_receiving_fails_fast() -> None:
     transport.connect(ThreadEngine())
     start = time.monotonic()
     with pytest.raises(InstallError, match="without receiving its broadcast"):
-        transport.send(bucket, sd, lambda d: None)  # e.g. hotweights_install's {"refused": ...} answer
+        transport.send(bucket, sd, lambda d: None)  # e.g. a one-call hotweights_begin's {"refused": ...} answer
     assert time.monotonic() - start < 5
     transport.close()
 
@@ -190,9 +195,9 @@ def test_send_after_a_failure_reconnects_instead_of_broadcasting_out_of_step() -
         bucket, sd, lambda d: received.update(unpack(coll.open_bucket(d, engine.worker)[0], bucket, manifest))
     )
     assert torch.equal(received["a"], sd["a"])
-    assert engine.calls.count("hotweights_init_communicator") == 2  # a fresh rendezvous, not the stale group
+    assert engine.calls.count("join_group") == 2  # a fresh rendezvous, not the stale group
     transport.send(bucket, sd, _stager(engine, manifest, bucket))  # and it stays in step
-    assert engine.calls.count("hotweights_init_communicator") == 2
+    assert engine.calls.count("join_group") == 2
     transport.close()
 
 
@@ -237,21 +242,43 @@ def test_worker_refuses_bad_arguments(change: dict[str, Any], match: str) -> Non
     args: dict[str, Any] = {"host": "127.0.0.1", "port": 1, "world_size": 2, "backend": "gloo", "timeout": 1.0}
     with pytest.raises(ValueError, match=match):
         coll.init_worker_group(FakeWorker(), **{**args, **change})
+    worker = FakeWorker()  # and through the extension, as the trainer reaches it
+    with pytest.raises(ValueError, match=match):
+        worker.hotweights_engine("join_group", json.dumps({**args, **change}))
+    assert getattr(worker, "_hotweights_group", None) is None
 
 
-def test_worker_caps_the_timeout(monkeypatch: pytest.MonkeyPatch) -> None:
+def _join_through_the_extension(worker: Any, host: str, port: int, world: int, backend: str, timeout: float) -> int:
+    args = {"host": host, "port": port, "world_size": world, "backend": backend, "timeout": timeout}
+    rank = worker.hotweights_engine("join_group", json.dumps(args))
+    assert rank == 1 + worker.rank
+    return int(rank)
+
+
+@pytest.mark.parametrize("join", [coll.init_worker_group, _join_through_the_extension], ids=["function", "extension"])
+def test_worker_caps_the_timeout(monkeypatch: pytest.MonkeyPatch, join: Any) -> None:
     seen: list[float] = []
     monkeypatch.setattr(coll, "create_group", lambda *args: seen.append(args[-1]) or object())
     monkeypatch.delenv("HOTWEIGHTS_MAX_RPC_TIMEOUT", raising=False)
-    coll.init_worker_group(FakeWorker(), "127.0.0.1", 1, 2, "gloo", 1e9)
-    coll.init_worker_group(FakeWorker(), "127.0.0.1", 1, 2, "gloo", float("inf"))
-    coll.init_worker_group(FakeWorker(), "127.0.0.1", 1, 2, "gloo", 30)
+    join(FakeWorker(), "127.0.0.1", 1, 2, "gloo", 1e9)
+    join(FakeWorker(), "127.0.0.1", 1, 2, "gloo", float("inf"))
+    join(FakeWorker(), "127.0.0.1", 1, 2, "gloo", 30)
     monkeypatch.setenv("HOTWEIGHTS_MAX_RPC_TIMEOUT", "5")
-    coll.init_worker_group(FakeWorker(), "127.0.0.1", 1, 2, "gloo", 60)
+    join(FakeWorker(), "127.0.0.1", 1, 2, "gloo", 60)
     assert seen == [coll.MAX_TIMEOUT_S, coll.MAX_TIMEOUT_S, 30.0, 5.0]
     monkeypatch.setenv("HOTWEIGHTS_MAX_RPC_TIMEOUT", "soon")
     with pytest.raises(ValueError, match="HOTWEIGHTS_MAX_RPC_TIMEOUT must be a positive number"):
-        coll.init_worker_group(FakeWorker(), "127.0.0.1", 1, 2, "gloo", 60)
+        join(FakeWorker(), "127.0.0.1", 1, 2, "gloo", 60)
+
+
+def test_worker_leaves_the_group_through_the_extension(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(coll, "create_group", lambda *args: object())
+    worker = FakeWorker()
+    assert worker.hotweights_engine("leave_group") is False  # no group yet
+    _join_through_the_extension(worker, "127.0.0.1", 1, 2, "gloo", 5.0)
+    assert getattr(worker, "_hotweights_group", None) is not None
+    assert worker.hotweights_engine("leave_group", "{}") is True
+    assert getattr(worker, "_hotweights_group", None) is None
 
 
 @pytest.mark.parametrize("nbytes", [-1, "4", True, 2.0, None])

@@ -15,10 +15,10 @@ from hotweights import (
     EngineNotSupportedError,
     HotWeightsError,
     InstallError,
-    WeightInstallAdapter,
     WeightManifestValidationError,
     WeightUpdateManifest,
 )
+from hotweights.adapters import WeightInstallAdapter
 from hotweights.core.delta import (
     DeltaBase,
     DeltaManifest,
@@ -448,7 +448,7 @@ def test_forget_delta_base_and_unsupported_adapters() -> None:
     _install(adapter, a, 1, delta=True)
     adapter.forget_delta_base()
     assert _install(adapter, a, 2).delta == "off"  # no copy kept any more
-    assert adapter._delta_base is None
+    assert adapter._delta.base is None
 
     class Plain(WeightInstallAdapter):
         def _install(self, manifest: Any, items: Any, timer: Any) -> None:

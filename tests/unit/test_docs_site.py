@@ -33,7 +33,7 @@ def test_docs_build_strict(tmp_path: Path) -> None:
     for page in ("index.html", "quickstart/index.html", "reference/index.html", "reference/telemetry/index.html"):
         assert (site / page).is_file(), page
     reference = (site / "reference/adapters/index.html").read_text(encoding="utf-8")
-    assert 'id="hotweights.WeightInstallAdapter"' in reference  # generated from the docstrings
+    assert 'id="hotweights.adapters.WeightInstallAdapter"' in reference  # generated from the docstrings
     assert ":class:" not in reference  # docstring roles are shown as code
 
 

@@ -1,4 +1,5 @@
-"""The public surface: ``hotweights.__all__`` is pinned, documented, and importing it stays light."""
+"""The public surface: ``hotweights.__all__`` and ``hotweights.adapters.__all__`` are pinned and documented, the
+former top-level names still resolve to their new homes, and importing ``hotweights`` stays light."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import inspect
 import itertools
 import subprocess
 import sys
+import types
+import warnings
 
 import pytest
 
@@ -16,7 +19,6 @@ import hotweights
 
 EXPECTED_ALL = [
     "DeltaBaseMismatchError",
-    "EngineHandle",
     "EngineNotSupportedError",
     "EngineSleepingError",
     "ExpectedWeights",
@@ -26,34 +28,40 @@ EXPECTED_ALL = [
     "InstallReport",
     "Mismatch",
     "PartialUpdateError",
-    "PauseMode",
-    "PrefixCachePolicy",
     "StaleWeightVersionError",
     "TensorSpec",
     "UnsupportedLayoutError",
+    "WORKER_EXTENSION",
+    "WeightLayout",
+    "WeightManifestValidationError",
+    "WeightUpdateManifest",
+    "adapter_for",
+    "connect",
+    "install",
+    "install_async",
+    "weight_version_of",
+    "weight_versions_of",
+]
+
+EXPECTED_ADAPTERS_ALL = [
+    "PrefixCachePolicy",
     "VLLMDirectSetterAdapter",
     "VLLMInProcessWeightReloadAdapter",
     "VLLMMultiprocessAdapter",
     "VLLMWeightTransferAdapter",
     "VLLMWeightsPathAdapter",
-    "WORKER_EXTENSION",
     "WeightInstallAdapter",
-    "WeightLayout",
-    "WeightManifestValidationError",
-    "WeightTransport",
-    "WeightUpdateManifest",
-    "WeightVersions",
-    "adapter_for",
-    "as_engine",
-    "available_transports",
-    "connect",
-    "install",
-    "install_async",
-    "make_transport",
-    "register_transport",
-    "weight_version_of",
-    "weight_versions_of",
 ]
+
+#: Former top-level exports -> their home now; ``hotweights.<name>`` still resolves there.
+MOVED = {
+    **dict.fromkeys(EXPECTED_ADAPTERS_ALL, "hotweights.adapters"),
+    **dict.fromkeys(["EngineHandle", "PauseMode", "as_engine"], "hotweights.handles"),
+    **dict.fromkeys(
+        ["WeightTransport", "available_transports", "make_transport", "register_transport"], "hotweights.transports"
+    ),
+    "WeightVersions": "hotweights.versions",
+}
 
 #: Exports that are type aliases (no runtime ``__doc__``): the module whose source documents them.
 ALIAS_HOMES = {
@@ -66,6 +74,51 @@ ALIAS_HOMES = {
 def test_all_is_pinned() -> None:
     assert sorted(hotweights.__all__) == EXPECTED_ALL
     assert len(set(hotweights.__all__)) == len(hotweights.__all__)
+
+
+def test_adapters_all_is_pinned() -> None:
+    import hotweights.adapters
+
+    assert sorted(hotweights.adapters.__all__) == EXPECTED_ADAPTERS_ALL
+    assert len(set(hotweights.adapters.__all__)) == len(hotweights.adapters.__all__)
+    assert hotweights.adapters.__doc__ and hotweights.adapters.__doc__.strip()
+
+
+def test_moved_names_are_in_their_homes_all() -> None:
+    assert not set(MOVED) & set(EXPECTED_ALL)
+    assert len(MOVED) + len(EXPECTED_ALL) == 38  # the top-level surface before the move
+    for name, home in MOVED.items():
+        assert name in importlib.import_module(home).__all__, (name, home)
+
+
+@pytest.mark.parametrize("name", sorted(MOVED))
+def test_old_spelling_resolves_to_the_new_home(name: str) -> None:
+    new = getattr(importlib.import_module(MOVED[name]), name)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the old spelling keeps working silently
+        old = getattr(hotweights, name)
+        namespace: dict[str, object] = {}
+        exec(f"from hotweights import {name}", namespace)
+    assert old is new
+    assert namespace[name] is new
+
+
+def test_dir_shows_only_the_surface() -> None:
+    listed = set(dir(hotweights))
+    assert set(EXPECTED_ALL) <= listed
+    assert not set(MOVED) & listed
+    extra = {
+        n
+        for n in listed - set(EXPECTED_ALL)
+        if not n.startswith("_") and not isinstance(getattr(hotweights, n), types.ModuleType)
+    }
+    assert not extra, f"public non-module names outside __all__: {sorted(extra)}"
+
+
+def test_unknown_name_raises_attribute_error() -> None:
+    with pytest.raises(AttributeError, match="no attribute 'NoSuchName'"):
+        _ = hotweights.NoSuchName
+    assert not hasattr(hotweights, "NoSuchName")
 
 
 @pytest.mark.parametrize("name", EXPECTED_ALL)
@@ -91,9 +144,9 @@ def _attribute_docstring(module_name: str, name: str) -> str | None:
     return None
 
 
-@pytest.mark.parametrize("name", EXPECTED_ALL)
+@pytest.mark.parametrize("name", EXPECTED_ALL + sorted(MOVED))
 def test_name_has_a_docstring(name: str) -> None:
-    obj = getattr(hotweights, name)
+    obj = getattr(importlib.import_module(MOVED.get(name, "hotweights")), name)
     if inspect.isclass(obj):
         doc = vars(obj).get("__doc__")  # its own, not inherited
     elif inspect.isfunction(obj):

@@ -31,15 +31,15 @@ from hotweights import (
     StaleWeightVersionError,
     TensorSpec,
     UnsupportedLayoutError,
-    WeightInstallAdapter,
     WeightLayout,
     WeightManifestValidationError,
     WeightUpdateManifest,
-    available_transports,
 )
+from hotweights.adapters import WeightInstallAdapter
 from hotweights.core.buckets import ALIGNMENT, Bucket, pack_into, plan_buckets
 from hotweights.core.report import PhaseTimer
 from hotweights.engine.staging import StagingArea
+from hotweights.transports import available_transports
 
 #: Only the deadline is set here; max_examples and health checks come from the active profile.
 FUZZ = settings(deadline=None)

@@ -19,8 +19,16 @@ are watched. Invariants for every call:
   like its checkpoint; a rendezvous is attempted only with checked arguments;
 - a transport's ``open_bucket`` is reached only for a bucket that passed ``bucket_problems`` at its declared size;
 - nothing appears in ``/dev/shm``, and nothing is opened but hotweights segment names in ``SHM_DIR``;
-- a refused call leaves the open session (and the delta copy) as it was, where its contract says so;
-- the worker keeps serving: ``hotweights_ping`` and a well-formed ``begin``/``stage``/``abort`` work afterwards.
+- a refused call leaves the open session (and the delta copy, the group and the pause record) as it was, where its
+  contract says so;
+- the worker keeps serving: ``hotweights_engine("status")`` and a well-formed ``begin``/``stage``/``abort`` work
+  afterwards.
+
+The six methods of protocol 2 are all fuzzed (:data:`CASES`, checked against the extension by
+``test_the_cases_cover_every_method_and_operation``): ``begin`` with hostile :class:`~hotweights.engine.session.
+SessionOptions` (a full update, a delta, and the one-call install with a bucket), ``stage``, ``prepare``, ``commit``,
+``abort``, and ``hotweights_engine`` with every operation of ``ENGINE_OPS`` (and unknown ones), its arguments a
+hostile JSON object string.
 
 The tests at the end pin the four defects this fuzzing found (all fixed), as minimal reproducers: a bucket that
 claimed bytes beyond its manifest (a gap before a tensor), a refused streaming ``begin`` that dropped the delta copy,
@@ -33,6 +41,7 @@ under ``HYPOTHESIS_PROFILE=slow``.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 import json
 import math
@@ -54,14 +63,13 @@ from safetensors.torch import save_file
 
 from hotweights import HotWeightsError, WeightManifestValidationError, WeightUpdateManifest
 from hotweights.core.buckets import ALIGNMENT, Bucket, BucketEntry, bucket_problems, pack_into, plan_buckets
-from hotweights.core.delta import DeltaBase
+from hotweights.core.delta import DeltaBase, DeltaManifest
 from hotweights.core.manifest import ExpectedWeights, TensorSpec
-from hotweights.engine import delta as delta_state
 from hotweights.engine import staging as staging_mod
-from hotweights.engine import worker_extension as extension_mod
 from hotweights.engine import worker_ops
 from hotweights.engine.expected import expected_from_config
-from hotweights.engine.worker_extension import HotWeightsWorkerExtension
+from hotweights.engine.session import PROTOCOL, SessionOptions, session_of
+from hotweights.engine.worker_extension import ENGINE_OPS, MAX_ARGS, HotWeightsWorkerExtension
 from hotweights.serve_guard import COLLECTIVE_RPC, GuardConfig, Refusal, check_body
 from hotweights.transports import collective, shm
 
@@ -140,8 +148,14 @@ class Fixture:
     model_dir: Path
     expected: ExpectedWeights
     manifest: WeightUpdateManifest  # the checkpoint's, update id NEW_ID
-    delta_json: str
-    wire_json: str
+    delta_json: str  # a delta from the checkpoint at version 0 (``model.norm.weight`` changed), update id DELTA_ID
+    wire_json: str  # the manifest of its wire tensors
+    wire: dict[str, torch.Tensor] = field(default_factory=dict)  # its wire tensors
+
+    @property
+    def wire_bucket(self) -> Bucket:
+        (bucket,) = plan_buckets(WeightUpdateManifest.from_json(self.wire_json), bucket_bytes=1 << 20)
+        return bucket
 
 
 @pytest.fixture(scope="module")
@@ -157,7 +171,7 @@ def fx(tmp_path_factory: pytest.TempPathFactory) -> Fixture:
     enc = DeltaBase.capture(CHECKPOINT, 0).encode(changed, weight_version=1, update_id=DELTA_ID)
     wire = enc.manifest.wire_manifest(enc.wire)
     assert wire is not None
-    return Fixture(model_dir, expected, manifest, enc.manifest.to_json(), wire.to_json())
+    return Fixture(model_dir, expected, manifest, enc.manifest.to_json(), wire.to_json(), dict(enc.wire))
 
 
 def _payload(bucket: Bucket, tensors: Mapping[str, torch.Tensor] = CHECKPOINT) -> bytes:
@@ -167,8 +181,13 @@ def _payload(bucket: Bucket, tensors: Mapping[str, torch.Tensor] = CHECKPOINT) -
     return bytes(data)
 
 
-def _bytes_descriptor(bucket: Bucket) -> dict[str, Any]:
-    return {"transport": "bytes", "data": _payload(bucket), "nbytes": bucket.nbytes}
+def _bytes_descriptor(bucket: Bucket, tensors: Mapping[str, torch.Tensor] = CHECKPOINT) -> dict[str, Any]:
+    return {"transport": "bytes", "data": _payload(bucket, tensors), "nbytes": bucket.nbytes}
+
+
+def _options(manifest: str, **options: Any) -> str:
+    """``begin``'s options (JSON), ``method="reload"`` unless given (the fuzz worker has no model to plan on)."""
+    return SessionOptions(manifest=manifest, **{"method": "reload", **options}).model_dump_json()
 
 
 @dataclass(frozen=True)
@@ -180,6 +199,11 @@ class PreState:
     staged: int
     delta_base: bool  # a delta copy of the checkpoint at version 0 (tracking)
     group: bool  # a collective group (FakeGroup)
+    delta_session: bool = False  # (with delta_base, without session) the delta DELTA_ID open, ``staged`` of 1 bucket
+
+    @property
+    def open_id(self) -> str | None:
+        return OPEN_ID if self.session else DELTA_ID if self.delta_session else None
 
 
 def _worker(fx: Fixture, pre: PreState) -> tuple[FuzzWorker, list[Bucket]]:
@@ -187,13 +211,24 @@ def _worker(fx: Fixture, pre: PreState) -> tuple[FuzzWorker, list[Bucket]]:
     manifest = fx.manifest.model_copy(update={"update_id": OPEN_ID})
     buckets = plan_buckets(manifest, bucket_bytes=pre.bucket_bytes)
     if pre.delta_base:
-        delta_state.track(worker, True)
-        delta_state.remember(worker, fx.manifest.model_copy(update={"weight_version": 0}), list(CHECKPOINT.items()))
+        base = session_of(worker).base
+        base.tracking = True
+        base.remember(fx.manifest.model_copy(update={"weight_version": 0}), list(CHECKPOINT.items()))
     if pre.session:
-        assert worker.hotweights_begin(manifest.to_json()) == OPEN_ID
+        assert worker.hotweights_begin(_options(manifest.to_json()))["update_id"] == OPEN_ID
         for bucket in buckets[: pre.staged]:
             assert (
                 worker.hotweights_stage(OPEN_ID, bucket.model_dump_json(), _bytes_descriptor(bucket)) == bucket.nbytes
+            )
+    if pre.delta_session:
+        assert pre.delta_base and not pre.session
+        opened = worker.hotweights_begin(_options(fx.wire_json, delta=fx.delta_json))
+        assert opened["ok"] is True and opened["update_id"] == DELTA_ID, opened
+        if pre.staged:
+            wire = fx.wire_bucket
+            assert (
+                worker.hotweights_stage(DELTA_ID, wire.model_dump_json(), _bytes_descriptor(wire, fx.wire))
+                == wire.nbytes
             )
     if pre.group:
         worker._hotweights_group = (FakeGroup(), "gloo")  # type: ignore[attr-defined]
@@ -201,16 +236,20 @@ def _worker(fx: Fixture, pre: PreState) -> tuple[FuzzWorker, list[Bucket]]:
 
 
 def _state(worker: FuzzWorker) -> tuple[Any, ...]:
-    s = worker._hotweights_staging
-    session = s.session if s is not None else None
-    d = delta_state.state(worker)
+    """What a refused call must leave as it was: the open session (staging, options, delta, what was prepared), the
+    delta copy, the collective group and the pause record."""
+    ws = session_of(worker)
+    session = ws.staging.session
     group = getattr(worker, "_hotweights_group", None)
+    held = [getattr(ws, name, None) for name in ("update_id", "options", "delta", "prepared")]
     return (
         id(session) if session else None,
         tuple(session.staged) if session else (),
         session.nbytes if session else 0,
-        id(d.base) if d.base is not None else None,
+        *(v if v is None or isinstance(v, str) else id(v) for v in held),
+        id(ws.base.copy) if ws.base.copy is not None else None,
         id(group) if group is not None else None,
+        str(getattr(worker, "_hotweights_pause_owner", "")),
     )
 
 
@@ -285,8 +324,7 @@ def _watched(worker: FuzzWorker) -> Iterator[Watch]:
         stack.enter_context(mock.patch("os.open", recording_open))
         stack.enter_context(mock.patch.object(staging_mod, "bucket_problems", recording_problems))
         stack.enter_context(mock.patch.object(staging_mod, "engine_side", recording_side))
-        stack.enter_context(mock.patch.object(extension_mod, "reload_checkpoint_tensors", write))
-        stack.enter_context(mock.patch.object(worker_ops, "reload_checkpoint_tensors", write))
+        stack.enter_context(mock.patch.object(worker_ops, "reload_checkpoint_tensors", write))  # full and delta
         stack.enter_context(mock.patch.object(collective, "create_group", rendezvous))
         yield watch
 
@@ -441,7 +479,12 @@ def _label(value: Any) -> str:
     return repr(value[:24]) if isinstance(value, str) else type(value).__name__
 
 
-hostile_ids = st.sampled_from([OPEN_ID, f" {OPEN_ID}", OPEN_ID.upper(), [OPEN_ID], {"update_id": OPEN_ID}]) | garbage
+hostile_ids = (
+    st.sampled_from(
+        [OPEN_ID, f" {OPEN_ID}", OPEN_ID.upper(), [OPEN_ID], {"update_id": OPEN_ID}, DELTA_ID, f"{DELTA_ID}\x00"]
+    )
+    | garbage
+)
 install_methods = st.sampled_from(["auto", "direct", "reload", "Reload", "", "../reload", "streaming"]) | garbage
 hostile_transports = (
     st.sampled_from(
@@ -599,8 +642,10 @@ SHM_PATHS = (
 
 
 @st.composite
-def descriptors(draw: st.DrawFn, bucket: Bucket | None, nbytes: int) -> dict[str, Any] | Any:
-    """A descriptor for a bucket of ``nbytes`` bytes, with one or more hostile fields."""
+def descriptors(
+    draw: st.DrawFn, bucket: Bucket | None, nbytes: int, tensors: Mapping[str, torch.Tensor] = CHECKPOINT
+) -> dict[str, Any] | Any:
+    """A descriptor for a bucket of ``nbytes`` bytes (of ``tensors``), with one or more hostile fields."""
     transport = draw(st.sampled_from(["bytes", "bytes", "shm", "shm", "collective", "cuda_ipc", "hostile"]))
     desc: dict[str, Any] = {"nbytes": nbytes}
     if transport == "hostile":
@@ -608,7 +653,11 @@ def descriptors(draw: st.DrawFn, bucket: Bucket | None, nbytes: int) -> dict[str
     else:
         desc["transport"] = transport
     if transport == "bytes":
-        good = _payload(bucket) if bucket is not None and bucket.nbytes == nbytes else bytes(max(0, min(nbytes, 4096)))
+        good = (
+            _payload(bucket, tensors)
+            if bucket is not None and bucket.nbytes == nbytes
+            else bytes(max(0, min(nbytes, 4096)))
+        )
         desc["data"] = draw(
             st.sampled_from([good, good[:-1], good + b"\0", bytearray(good)])
             | st.binary(max_size=300)
@@ -634,26 +683,130 @@ def descriptors(draw: st.DrawFn, bucket: Bucket | None, nbytes: int) -> dict[str
     return desc
 
 
-# ============================================================================================ the cases
-METHODS = (
-    ["hotweights_stage"] * 8
-    + ["hotweights_begin"] * 3
-    + ["hotweights_install"] * 2
-    + [
-        "hotweights_finish",
-        "hotweights_abort",
-        "hotweights_delta_begin",
-        "hotweights_delta_prepare",
-        "hotweights_delta_commit",
-        "hotweights_delta_abort",
-        "hotweights_delta_track",
-        "hotweights_init_communicator",
-        "hotweights_close_communicator",
-        "hotweights_release_segments",
-        "hotweights_ping",
-        "hotweights_clear_kv_cache",
-    ]
+# ============================================================================================ hostile options
+commits = st.sampled_from(["atomic", "streaming", "Atomic", "atomic "]) | garbage
+OPTIONS_MUTATIONS = ("none",) * 6 + ("extra", "drop", "not-a-string", "text")
+
+
+@st.composite
+def session_options(
+    draw: st.DrawFn, manifest: st.SearchStrategy[Any], delta: st.SearchStrategy[Any] | None = None
+) -> tuple[Any, str]:
+    """``begin``'s options (:class:`SessionOptions` JSON) around a manifest drawn from ``manifest`` (and a delta),
+    every other field hostile at times; and the mutation made to the options themselves."""
+    doc: dict[str, Any] = {"manifest": draw(manifest), "commit": draw(commits), "method": draw(install_methods)}
+    if delta is not None:
+        doc["delta"] = draw(delta)
+    for key in ("keep_base", "verify"):
+        if draw(st.integers(0, 2)) == 0:
+            doc[key] = draw(st.booleans() | garbage)
+    how = draw(st.sampled_from(OPTIONS_MUTATIONS))
+    if how == "extra":
+        doc[draw(st.sampled_from(["update_id", "bucket", "Manifest", "manifest "]) | hostile_text)] = draw(garbage)
+    elif how == "drop":
+        del doc[draw(st.sampled_from(sorted(doc)))]
+    if how == "not-a-string":
+        return draw(st.sampled_from([doc, [doc], None, 1, True]) | not_text), how
+    try:
+        text = json.dumps(doc)
+    except (RecursionError, ValueError):  # too deep for this process's json: what such a caller sends is garbage
+        return "{" * 5000, "text"
+    if how == "text":
+        cut = draw(st.integers(0, len(text) - 1))
+        cuts = [text[:cut], text[:cut] + "\x00" + text[cut + 1 :], "{" * 5000, "", "null", "[]", '"atomic"']
+        return draw(st.sampled_from(cuts) | hostile_text), how
+    return text, how
+
+
+# ============================================================================================ hostile engine ops
+ENGINE_ARGS: dict[str, st.SearchStrategy[dict[str, Any]]] = {
+    "status": st.just({}),
+    "pause": st.fixed_dictionaries(
+        {
+            "action": st.sampled_from(["claim", "release", "read", "", "Claim", "release "]) | garbage,
+            "owner": st.sampled_from(["", '{"owner": "trainer"}', "x" * 1024, "x" * 1025]) | hostile_text | garbage,
+        }
+    ),
+    "clear_kv_cache": st.just({}),
+    "join_group": st.fixed_dictionaries(
+        {
+            "host": st.sampled_from(["127.0.0.1", "localhost", "::1", "10.0.0.1"]) | hostile_text | garbage,
+            "port": st.integers(1, 65535) | big_ints | garbage,
+            "world_size": st.sampled_from([2, 1, 0, 4097, 4098]) | big_ints | garbage,
+            "backend": st.sampled_from(["gloo", "nccl", "GLOO", "mpi"]) | garbage,
+            "timeout": st.sampled_from([1, 60.0, 0, -1, math.inf, math.nan, 1e308, 600.000001]) | big_ints | garbage,
+        }
+    ),
+    "leave_group": st.just({}),
+    "release_segments": st.fixed_dictionaries(
+        {"ids": st.none() | st.lists(st.sampled_from(["0" * 32, "../x"]) | hostile_text, max_size=5) | garbage}
+    ),
+    "forget_base": st.just({}),
+}
+hostile_ops = (
+    st.sampled_from(
+        [
+            *("", "Status", "status ", "_status", "__class__", "get", "ENGINE_OPS", "join_group\x00", "../status"),
+            *("ping", "hotweights_begin", "init_communicator", "delta_track", "pause_owner"),
+        ]
+    )
+    | garbage
 )
+ENGINE_ARGS_MUTATIONS = ("none",) * 5 + ("extra", "drop", "not-an-object", "text")
+#: Argument strings that are no JSON object a worker should read (deep nesting fits well within MAX_ARGS).
+BAD_ARGS_JSON = (
+    "{",
+    "{}}",
+    "{'a': 1}",
+    "[" * 5000,
+    '{"a":' * 3000 + "1" + "}" * 3000,
+    "{" + " " * MAX_ARGS + "}",
+    json.dumps({"k": "x" * MAX_ARGS}),
+    "\x00",
+    '{"host": NaN, "port": Infinity}',
+    '{"ids": ' + "9" * 5000 + "}",
+)
+
+
+@st.composite
+def engine_args(draw: st.DrawFn, op: Any) -> tuple[Any, str]:
+    """``hotweights_engine``'s ``args_json`` for ``op``: its arguments as a JSON object, hostile at times."""
+    args = dict(draw(ENGINE_ARGS[op])) if isinstance(op, str) and op in ENGINE_ARGS else {}
+    how = draw(st.sampled_from(ENGINE_ARGS_MUTATIONS))
+    if how == "extra":
+        keys = st.sampled_from(["worker", "self", "op", "args_json", "ids", "host", "owner", "action"])
+        args[draw(keys | hostile_text)] = draw(json_scalars)
+    elif how == "drop" and args:
+        del args[draw(st.sampled_from(sorted(args)))]
+    if how == "not-an-object":
+        return draw(st.sampled_from(["[]", "null", "1", '"x"', "true", "[{}]", ""]) | not_text | hostile_text), how
+    if how == "text":
+        return draw(st.sampled_from(BAD_ARGS_JSON)), how
+    try:
+        return json.dumps(args), how
+    except (RecursionError, ValueError):
+        return "[" * 5000, "text"
+
+
+# ============================================================================================ the cases
+#: (method, what the case exercises): the six methods of protocol 2, weighted as the calls they replaced were
+#: (stage 8, begin 3, the one-call install 2, then one each), and ``hotweights_engine`` with every operation.
+CASES: list[tuple[str, str]] = (
+    [("hotweights_stage", "stage")] * 8
+    + [("hotweights_begin", "begin")] * 3
+    + [("hotweights_begin", "install")] * 2
+    + [
+        ("hotweights_commit", "commit"),  # was hotweights_finish
+        ("hotweights_abort", "abort"),
+        ("hotweights_begin", "delta begin"),  # was hotweights_delta_begin (and hotweights_delta_track(True))
+        ("hotweights_prepare", "prepare"),  # was hotweights_delta_prepare
+        ("hotweights_commit", "delta commit"),  # was hotweights_delta_commit
+        ("hotweights_abort", "delta abort"),  # was hotweights_delta_abort
+    ]
+    + [("hotweights_engine", op) for op in ENGINE_OPS]  # status was ping, join_group init_communicator, ...
+    + [("hotweights_engine", "unknown op")]
+)
+DELTA_KINDS = ("delta begin", "prepare", "delta commit", "delta abort", "forget_base")
 
 
 @dataclass
@@ -665,64 +818,79 @@ class Case:
     kwargs: dict[str, Any]
     timeout: Any
     focus: str  # what was mutated, for the statistics
+    kind: str = ""  # which of CASES
+
+
+def _begin_case(
+    draw: st.DrawFn, manifest: st.SearchStrategy[tuple[Any, str]], delta: st.SearchStrategy[Any] | None
+) -> tuple[Any, str]:
+    """Options around a manifest drawn with its mutation; the focus names the mutation that counts."""
+    manifest_value, focus = draw(manifest)
+    options, how = draw(session_options(st.just(manifest_value), delta))
+    return options, focus if how == "none" else f"options {how}"
 
 
 @st.composite
 def rpc_cases(draw: st.DrawFn, fx: Fixture) -> Case:
-    method = draw(st.sampled_from(METHODS))
+    method, kind = draw(st.sampled_from(CASES))
     params = [p for p in inspect.signature(getattr(HotWeightsWorkerExtension, method)).parameters if p != "self"]
-    session = (
-        draw(st.integers(0, 4)) > 0 if method in ("hotweights_stage", "hotweights_finish") else draw(st.booleans())
-    )
+    session = draw(st.integers(0, 4)) > 0 if kind in ("stage", "commit") else draw(st.booleans())
+    delta_base = draw(st.integers(0, 3)) > 0 if kind in DELTA_KINDS else draw(st.booleans())
+    delta_session = not session and delta_base and draw(st.booleans())
     bucket_bytes = draw(st.sampled_from([64, 128, 256, 1 << 20]))
     n_buckets = len(plan_buckets(fx.manifest, bucket_bytes=bucket_bytes))
     pre = PreState(
         session=session,
         bucket_bytes=bucket_bytes,
-        staged=draw(st.integers(0, n_buckets - 1)) if session else 0,
-        delta_base=draw(st.booleans()),
+        staged=draw(st.integers(0, n_buckets - 1)) if session else draw(st.integers(0, 1)) if delta_session else 0,
+        delta_base=delta_base,
         group=draw(st.booleans()),
+        delta_session=delta_session,
     )
+    open_id = pre.open_id or OPEN_ID
     open_buckets = plan_buckets(fx.manifest.model_copy(update={"update_id": OPEN_ID}), bucket_bytes=bucket_bytes)
+    checkpoint_manifests = manifests(fx.manifest)
+    wire_manifests = st.just((fx.wire_json, "wire")) | checkpoint_manifests
+    deltas = st.just(fx.delta_json) | checkpoint_manifests.map(lambda x: x[0])
     focus = "args"
     args: list[Any]
-    if method == "hotweights_begin":
-        manifest, focus = draw(manifests(fx.manifest))
-        args = [manifest, draw(st.sampled_from(["atomic", "streaming", "Atomic", "atomic "]) | garbage)]
-        args.append(draw(install_methods))
+    if kind == "begin":
+        options, focus = _begin_case(draw, checkpoint_manifests, None)
+        args = [options]
+    elif kind == "delta begin":  # as hotweights_delta_begin(delta_json, wire_json) was fuzzed
+        wires = st.just((fx.wire_json, "wire")) | garbage.map(lambda g: (g, "garbage wire"))
+        options, focus = _begin_case(draw, wires, deltas)
+        args = [options]
+    elif kind == "install":
+        if draw(st.integers(0, 2)) == 0:  # a delta in one call
+            whole, tensors = fx.wire_bucket, fx.wire
+            options, focus = _begin_case(draw, wire_manifests, deltas)
+            focus = f"delta {focus}"
+        else:
+            whole, tensors = plan_buckets(fx.manifest, bucket_bytes=1 << 20)[0], CHECKPOINT
+            options, focus = _begin_case(draw, checkpoint_manifests, None)
+        bucket_json, nbytes = draw(buckets(whole)) if draw(st.booleans()) else (whole.model_dump_json(), whole.nbytes)
+        args = [options, bucket_json, draw(descriptors(whole, nbytes, tensors))]
     elif method == "hotweights_stage":
-        target = open_buckets[pre.staged] if draw(st.integers(0, 4)) else draw(st.sampled_from(open_buckets))
+        if pre.delta_session and draw(st.booleans()):
+            target, tensors = fx.wire_bucket, fx.wire
+        else:
+            next_bucket = open_buckets[pre.staged if pre.session else 0]
+            target = next_bucket if draw(st.integers(0, 4)) else draw(st.sampled_from(open_buckets))
+            tensors = CHECKPOINT
         bucket_json, nbytes = (
             draw(buckets(target)) if draw(st.booleans()) else (target.model_dump_json(), target.nbytes)
         )
-        desc = draw(descriptors(target, nbytes))
-        args = [OPEN_ID if draw(st.integers(0, 3)) else draw(hostile_ids), bucket_json, desc]
+        desc = draw(descriptors(target, nbytes, tensors))
+        args = [open_id if draw(st.integers(0, 3)) else draw(hostile_ids), bucket_json, desc]
         focus = f"stage {_label(desc.get('transport')) if isinstance(desc, dict) else 'not-a-dict'}"
-    elif method == "hotweights_install":
-        manifest, focus = draw(manifests(fx.manifest))
-        whole = plan_buckets(fx.manifest, bucket_bytes=1 << 20)[0]
-        bucket_json, nbytes = draw(buckets(whole)) if draw(st.booleans()) else (whole.model_dump_json(), whole.nbytes)
-        args = [manifest, bucket_json, draw(descriptors(whole, nbytes)), draw(install_methods), draw(garbage)]
-    elif method in ("hotweights_finish", "hotweights_delta_commit"):
-        args = [OPEN_ID if draw(st.booleans()) else draw(hostile_ids), draw(install_methods)]
-        args += [draw(garbage) for _ in params[2:]]
-    elif method == "hotweights_delta_begin":
-        args = [
-            draw(st.just(fx.delta_json) | manifests(fx.manifest).map(lambda x: x[0])),
-            draw(st.just(fx.wire_json) | garbage),
-        ]
-    elif method == "hotweights_init_communicator":
-        args = [
-            draw(st.sampled_from(["127.0.0.1", "localhost", "::1", "10.0.0.1"]) | hostile_text | garbage),
-            draw(st.integers(1, 65535) | big_ints | garbage),
-            draw(st.sampled_from([2, 1, 0, 4097, 4098]) | big_ints | garbage),
-            draw(st.sampled_from(["gloo", "nccl", "GLOO", "mpi"]) | garbage),
-            draw(st.sampled_from([1, 60.0, 0, -1, math.inf, math.nan, 1e308, 600.000001]) | big_ints | garbage),
-        ]
-    elif method == "hotweights_release_segments":
-        args = [draw(st.none() | st.lists(st.sampled_from(["0" * 32, "../x"]) | hostile_text, max_size=5) | garbage)]
-    else:
-        args = [draw(hostile_ids | garbage) for _ in params]
+    elif method in ("hotweights_commit", "hotweights_prepare", "hotweights_abort"):
+        args = [open_id if draw(st.booleans()) else draw(hostile_ids | garbage)]
+    else:  # hotweights_engine
+        op = draw(hostile_ops) if kind == "unknown op" else kind
+        args_json, focus = draw(engine_args(op))
+        args = [op, args_json]
+        focus = f"{_label(op)} {focus}"
     # vLLM takes any arity and any keyword: sometimes too few or too many, sometimes the last ones by name
     if draw(st.integers(0, 4)) == 0:
         args = args[: draw(st.integers(0, len(args)))] + draw(st.lists(garbage, max_size=2))
@@ -734,7 +902,7 @@ def rpc_cases(draw: st.DrawFn, fx: Fixture) -> Case:
     if draw(st.integers(0, 9)) == 0:
         kwargs[draw(hostile_text)] = draw(json_scalars)
     timeout = draw(st.none() | st.sampled_from([1, 600, 601, -1, math.inf, math.nan, "1"]))
-    return Case(pre, draw(st.sampled_from(["http", "msgpack"])), method, args, kwargs, timeout, focus)
+    return Case(pre, draw(st.sampled_from(["http", "msgpack"])), method, args, kwargs, timeout, focus, kind)
 
 
 # ============================================================================================ the checks
@@ -785,6 +953,48 @@ def _accepted(fx: Fixture, manifest_json: Any) -> bool:
     return not fx.expected.mismatches(manifest)
 
 
+def _options_of(options_json: Any) -> SessionOptions | None:
+    """The session options a worker reads from ``options_json``; None when they are malformed."""
+    if not isinstance(options_json, str):
+        return None
+    try:
+        return SessionOptions.parse(options_json)
+    except ValueError:
+        return None
+
+
+def _delta_accepted(fx: Fixture, options: SessionOptions | None) -> bool:
+    """Whether ``options`` open the fixture's delta with its own wire manifest (what a worker holding its base
+    installs)."""
+    if options is None or options.delta is None:
+        return False
+    try:
+        delta, wire = DeltaManifest.from_json(options.delta), WeightUpdateManifest.from_json(options.manifest)
+    except (HotWeightsError, TypeError, ValueError):
+        return False
+    return delta == DeltaManifest.from_json(fx.delta_json) and wire == WeightUpdateManifest.from_json(fx.wire_json)
+
+
+def _engine_call(bound: dict[str, Any] | None) -> tuple[str, dict[str, Any]] | None:
+    """The ``hotweights_engine`` operation a call runs, with its arguments; None when the worker must refuse it."""
+    if bound is None:
+        return None
+    op, raw = bound.get("op"), bound.get("args_json")
+    if not isinstance(op, str) or op not in ENGINE_OPS or not isinstance(raw, str) or len(raw) > MAX_ARGS:
+        return None
+    try:
+        args = json.loads(raw or "{}")
+    except (ValueError, RecursionError):
+        return None
+    if not isinstance(args, dict):
+        return None
+    try:
+        inspect.signature(ENGINE_OPS[op]).bind(None, **args)
+    except TypeError:
+        return None
+    return op, args
+
+
 def _rendezvous_args_ok(args: tuple[Any, ...]) -> bool:
     host, port, rank, world, backend, timeout = args
     ints = all(isinstance(v, int) and not isinstance(v, bool) for v in (port, rank, world))
@@ -802,7 +1012,16 @@ def _rendezvous_args_ok(args: tuple[Any, ...]) -> bool:
 
 def _check_outcome(fx: Fixture, case: Case, out: Outcome, before: tuple[Any, ...], worker: FuzzWorker) -> None:
     bound = _bound_args(case.method, case.args, case.kwargs)
-    manifest_ok = bound is not None and _accepted(fx, bound.get("manifest_json"))
+    begin = case.method == "hotweights_begin" and bound is not None
+    options = _options_of(bound.get("options_json")) if begin and bound is not None else None
+    manifest_ok = options is not None and options.delta is None and _accepted(fx, options.manifest)
+    uid = bound.get("update_id") if bound is not None else None
+    install = begin and bound is not None and bool(bound.get("bucket_json"))
+    # a delta that may be written: the fixture's, in one call to a worker that holds its base, or the one left open
+    delta_ok = (install and case.pre.delta_base and _delta_accepted(fx, options)) or (
+        case.method == "hotweights_commit" and case.pre.delta_session and isinstance(uid, str) and uid == DELTA_ID
+    )
+    engine = _engine_call(bound) if case.method == "hotweights_engine" else None
     watch = out.watch
 
     # 1. a typed error, with a message
@@ -810,23 +1029,29 @@ def _check_outcome(fx: Fixture, case: Case, out: Outcome, before: tuple[Any, ...
         err = out.error
         assert isinstance(err, RPC_ERRORS) and not isinstance(err, NOT_TYPED), f"{type(err).__name__}: {err}"
         assert str(err).strip(), f"an empty {type(err).__name__}"
-        event(f"{case.method}: {type(err).__name__}")
+        event(f"{case.kind}: {type(err).__name__}")
     elif out.reached is not None:
-        event(f"{case.method}: reached ({out.reached})")
+        event(f"{case.kind}: reached ({out.reached})")
     else:
-        event(f"{case.method}: returned")
+        event(f"{case.kind}: returned")
 
-    # 2. the model: read for an accepted manifest only, written only with a complete, checkpoint-shaped update
+    # 2. the model: read for an accepted manifest (or delta) only, written only with a complete, checkpoint-shaped
+    #    update (a delta: the blocks it touched, each tensor shaped as in the checkpoint)
     read = [w for w, _ in worker.reached if w == "model"]
     if read:
-        by_design = case.method == "hotweights_clear_kv_cache" and bound is not None
-        assert by_design or (case.method in ("hotweights_begin", "hotweights_install") and manifest_ok), (
-            f"{case.method} reached the model with a manifest the worker does not accept"
+        by_design = engine is not None and engine[0] == "clear_kv_cache"
+        assert by_design or (begin and manifest_ok) or delta_ok, (
+            f"{case.kind} reached the model with a manifest the worker does not accept"
         )
     want = {n: (s.shape, s.dtype) for n, s in fx.expected.tensors.items()}
+    changed = set(DeltaManifest.from_json(fx.delta_json).entries)
     for written in watch.writes:
         got = {n: (s.shape, s.dtype) for n, s in written.items()}
-        assert got == want, f"the model was written with {sorted(written)}"
+        if got != want:
+            assert delta_ok, f"the model was written with {sorted(written)}"
+            assert changed <= set(got) and all(want.get(n) == spec for n, spec in got.items()), (
+                f"a delta wrote {sorted(written)}"
+            )
 
     # 3. a rendezvous only with checked arguments
     for rendezvous in watch.rendezvous:
@@ -846,27 +1071,40 @@ def _check_outcome(fx: Fixture, case: Case, out: Outcome, before: tuple[Any, ...
         p = Path(path)
         assert p.parent == shm.SHM_DIR and shm._SEGMENT_NAME.fullmatch(p.name), f"opened {path!r}"
 
-    # 6. a refused call keeps the worker's state, where its contract says so
+    # 6. a refused call keeps the worker's state, where its contract says so: a begin may drop the open session
+    #    once its options and manifest are accepted (a delta's: once its options are), a prepare or commit of the
+    #    open session may end it; nothing else that is refused changes anything
     if out.error is not None and out.reached is None and bound is not None:
         after = _state(worker)
-        uid = bound.get("update_id")
-        may_change = (
-            (case.method in ("hotweights_begin", "hotweights_install") and manifest_ok)
-            or (case.method in ("hotweights_finish", "hotweights_delta_prepare") and uid == OPEN_ID)
-            or case.method == "hotweights_delta_begin"
+        may_change = (begin and (manifest_ok or (options is not None and options.delta is not None))) or (
+            case.method in ("hotweights_commit", "hotweights_prepare")
+            and case.pre.open_id is not None
+            and isinstance(uid, str)
+            and uid == case.pre.open_id
         )
         if not may_change:
-            assert after == before, f"a refused {case.method} changed the worker: {before} -> {after}"
+            assert after == before, f"a refused {case.kind} ({case.method}) changed the worker: {before} -> {after}"
 
 
 def _still_serving(fx: Fixture, worker: FuzzWorker) -> None:
-    assert worker.hotweights_ping() == "hotweights"
+    status = worker.hotweights_engine("status")
+    assert status["hotweights"] == "hotweights" and status["protocol"] == PROTOCOL, status
     manifest = fx.manifest.model_copy(update={"update_id": AFTER_ID})
-    assert worker.hotweights_begin(manifest.to_json()) == AFTER_ID
+    opened = worker.hotweights_begin(_options(manifest.to_json()))
+    assert opened["ok"] is True and opened["update_id"] == AFTER_ID, opened
     for bucket in plan_buckets(manifest, bucket_bytes=128):
         assert worker.hotweights_stage(AFTER_ID, bucket.model_dump_json(), _bytes_descriptor(bucket)) == bucket.nbytes
     assert worker.hotweights_abort(AFTER_ID) is True
     assert worker.reached == []
+
+
+def test_the_cases_cover_every_method_and_operation() -> None:
+    """The fuzzing follows the extension: every ``hotweights_*`` method and every engine operation has its case."""
+    methods = {name for name in dir(HotWeightsWorkerExtension) if name.startswith("hotweights_")}
+    assert {m for m, _ in CASES} == methods
+    assert len(methods) == 6
+    assert {kind for m, kind in CASES if m == "hotweights_engine"} == {*ENGINE_OPS, "unknown op"}
+    assert set(ENGINE_ARGS) == set(ENGINE_OPS)
 
 
 # ============================================================================================ 1. every RPC handler
@@ -883,8 +1121,8 @@ def test_hostile_collective_rpc_calls_end_typed_and_the_worker_keeps_serving(fx:
         return
     before = _state(worker)
     out = _run(worker, method, args, kwargs)
-    _check_outcome(fx, Case(case.pre, case.wire, method, args, kwargs, case.timeout, case.focus), out, before, worker)
-    event(f"{case.method} focus: {case.focus}")
+    _check_outcome(fx, dataclasses.replace(case, method=method, args=args, kwargs=kwargs), out, before, worker)
+    event(f"{case.kind} focus: {case.focus}")
     worker.reached.clear()
     _still_serving(fx, worker)
 
@@ -897,28 +1135,47 @@ def test_hostile_manifests_are_refused_at_begin_before_anything_is_kept(fx: Fixt
     wire = data.draw(st.sampled_from(["http", "msgpack"]))
     commit = data.draw(st.sampled_from(["atomic", "streaming"]))
     worker, _ = _worker(fx, PreState(session=True, bucket_bytes=128, staged=1, delta_base=False, group=False))
+    try:  # the options as a caller writes them, whatever its manifest is (a JSON value that is no string, too)
+        options_json = json.dumps({"manifest": manifest, "commit": commit, "method": "reload"})
+    except (RecursionError, ValueError):  # too deep for this process's json: what such a caller sends is garbage
+        manifest, how = "{" * 5000, "text"
+        options_json = json.dumps({"manifest": manifest, "commit": commit, "method": "reload"})
     try:
-        method, args, kwargs = _deliver(wire, "hotweights_begin", [manifest, commit, "reload"], {})
+        method, args, kwargs = _deliver(wire, "hotweights_begin", [options_json], {})
     except WireRefusal:
         event("refused on the wire")
         return
     before = _state(worker)
     out = _run(worker, method, args, kwargs)
-    accepted = _accepted(fx, args[0])
+    options = _options_of(args[0])
+    assert (options is None) == (not isinstance(manifest, str)), "only a manifest that is no string spoils the options"
+    accepted = options is not None and _accepted(fx, options.manifest)
     if how in MUST_REFUSE:
         assert not accepted
     if accepted:
         # atomic: the new session is open; streaming: the stream was about to read the model
-        uid = WeightUpdateManifest.from_json(args[0]).update_id
-        assert (out.value == uid) if commit == "atomic" else (out.reached is not None), out.error
+        assert options is not None
+        uid = WeightUpdateManifest.from_json(options.manifest).update_id
+        if commit == "atomic":
+            assert isinstance(out.value, dict) and out.value["ok"] is True, (out.value, out.error)
+            assert out.value["update_id"] == uid and out.value["method"] == "reload"
+        else:
+            assert out.reached is not None, out.error
         event(f"{how}: accepted")
         return
-    assert isinstance(out.error, WeightManifestValidationError), f"{how}: {type(out.error).__name__}: {out.error}"
-    assert out.error.mismatches and "nothing was written" in str(out.error)
-    with contextlib.suppress(HotWeightsError):  # one the worker parsed: the refusal names each made-up tensor
-        made_up = set(WeightUpdateManifest.from_json(args[0]).tensors) - set(fx.expected.tensors)
-        assert made_up <= {m.name for m in out.error.mismatches}
-        event(f"{how}: refused by the checkpoint check")
+    if options is None:  # a manifest that is no string: the options it came in are refused as such
+        assert isinstance(out.error, ValueError) and not isinstance(out.error, NOT_TYPED), (
+            f"{how}: {type(out.error).__name__}: {out.error}"
+        )
+        assert "malformed session options" in str(out.error) and "manifest" in str(out.error)
+        event(f"{how}: refused as malformed options")
+    else:
+        assert isinstance(out.error, WeightManifestValidationError), f"{how}: {type(out.error).__name__}: {out.error}"
+        assert out.error.mismatches and "nothing was written" in str(out.error)
+        with contextlib.suppress(HotWeightsError):  # one the worker parsed: the refusal names each made-up tensor
+            made_up = set(WeightUpdateManifest.from_json(options.manifest).tensors) - set(fx.expected.tensors)
+            assert made_up <= {m.name for m in out.error.mismatches}
+            event(f"{how}: refused by the checkpoint check")
     assert worker.reached == [] and not out.watch.writes and not out.left and not out.watch.opened
     assert _state(worker) == before, "a refused begin dropped the open session"
     event(f"{how}: refused")
@@ -953,7 +1210,7 @@ def test_hostile_descriptors_never_map_outside_shm_nor_allocate_unchecked(fx: Fi
         return
     before = _state(worker)
     out = _run(worker, method, args, kwargs)
-    case = Case(pre, wire, method, args, kwargs, None, "descriptor")
+    case = Case(pre, wire, method, args, kwargs, None, "descriptor", "stage")
     _check_outcome(fx, case, out, before, worker)
     sent = args[2]
     transport = sent.get("transport") if isinstance(sent, dict) else None
@@ -972,12 +1229,13 @@ def test_hostile_descriptors_never_map_outside_shm_nor_allocate_unchecked(fx: Fi
 @pytest.mark.parametrize("wire", ["http", "msgpack"])
 def test_the_watch_sees_what_a_well_formed_call_reaches(fx: Fixture, wire: str) -> None:
     """The properties above are not vacuous: a well-formed install reaches the (watched) model write with exactly the
-    checkpoint; an ``auto`` begin reads the model; a well-formed shm stage maps the trainer's segment, and nothing of
-    it is left once the trainer's transport is done."""
+    checkpoint, a well-formed delta (in one call, or the open one committed) with the blocks it touched; an ``auto``
+    begin reads the model; a well-formed shm stage maps the trainer's segment, and nothing of it is left once the
+    trainer's transport is done."""
     whole = plan_buckets(fx.manifest, bucket_bytes=1 << 20)[0]
     worker, _ = _worker(fx, PreState(session=False, bucket_bytes=128, staged=0, delta_base=False, group=False))
-    call = [fx.manifest.to_json(), whole.model_dump_json(), _bytes_descriptor(whole), "reload"]
-    out = _run(worker, *_deliver(wire, "hotweights_install", call, {}))
+    call = [_options(fx.manifest.to_json()), whole.model_dump_json(), _bytes_descriptor(whole)]
+    out = _run(worker, *_deliver(wire, "hotweights_begin", call, {}))
     if wire == "http":  # JSON carries no bytes: the bytes transport is refused, before the model
         assert out.value is not None and "refused" in out.value and out.reached is None
     else:
@@ -987,8 +1245,36 @@ def test_the_watch_sees_what_a_well_formed_call_reaches(fx: Fixture, wire: str) 
         }
         assert [(d["transport"], d["nbytes"]) for d, _ in out.watch.transports] == [("bytes", whole.nbytes)]
 
+    changed = set(DeltaManifest.from_json(fx.delta_json).entries)
+    wire_bucket = fx.wire_bucket
+    delta_call = [
+        _options(fx.wire_json, delta=fx.delta_json),
+        wire_bucket.model_dump_json(),
+        _bytes_descriptor(wire_bucket, fx.wire),
+    ]
+    pre = PreState(session=False, bucket_bytes=128, staged=0, delta_base=True, group=False)
+    worker, _ = _worker(fx, pre)
+    method, args, kwargs = _deliver(wire, "hotweights_begin", delta_call, {})
+    before = _state(worker)
+    out = _run(worker, method, args, kwargs)
+    _check_outcome(fx, Case(pre, wire, method, args, kwargs, None, "well-formed", "install"), out, before, worker)
+    if wire == "http":
+        assert out.value is not None and "refused" in out.value and out.reached is None
+    else:
+        assert out.reached == "the model was written" and len(out.watch.writes) == 1
+        assert changed <= set(out.watch.writes[0]) <= set(fx.expected.tensors)
+
+    pre = PreState(session=False, bucket_bytes=128, staged=1, delta_base=True, group=False, delta_session=True)
+    worker, _ = _worker(fx, pre)
+    method, args, kwargs = _deliver(wire, "hotweights_commit", [DELTA_ID], {})
+    before = _state(worker)
+    out = _run(worker, method, args, kwargs)
+    _check_outcome(fx, Case(pre, wire, method, args, kwargs, None, "well-formed", "delta commit"), out, before, worker)
+    assert out.reached == "the model was written" and len(out.watch.writes) == 1
+    assert changed <= set(out.watch.writes[0]) <= set(fx.expected.tensors)
+
     worker, _ = _worker(fx, PreState(session=False, bucket_bytes=128, staged=0, delta_base=False, group=False))
-    out = _run(worker, *_deliver(wire, "hotweights_begin", [fx.manifest.to_json(), "atomic", "auto"], {}))
+    out = _run(worker, *_deliver(wire, "hotweights_begin", [_options(fx.manifest.to_json(), method="auto")], {}))
     assert out.reached == "the worker's model was reached" and worker.reached == [("model", None)]
 
     worker, open_buckets = _worker(
@@ -1012,21 +1298,78 @@ def test_the_watch_sees_what_a_well_formed_call_reaches(fx: Fixture, wire: str) 
 
 
 # ============================================================================================ 4. the guard's bodies
+def _join_json(value: Any) -> Any:
+    """A ``join_group`` argument string when ``value`` is a dict (JSON-encodable), else ``value`` as it is."""
+    if not isinstance(value, dict):
+        return value
+    try:
+        return json.dumps(value)
+    except (RecursionError, ValueError):
+        return "[" * 5000
+
+
+#: A rendezvous' arguments as the guard reads them: a JSON object string (hostile host and timeout), or not one.
+join_objects = st.fixed_dictionaries(
+    {"host": st.sampled_from(["127.0.0.1", "localhost", "::1", "10.0.0.1", "0.0.0.0", "::ffff:10.0.0.1"]) | garbage},
+    optional={
+        "timeout": st.sampled_from([1, 600, 601, -1, math.inf, math.nan, 1e308, True, None, "60"]) | json_scalars,
+        "port": st.integers(1, 65535) | json_scalars,
+    },
+).map(_join_json)
+join_args = join_objects | st.sampled_from(BAD_ARGS_JSON) | garbage
+engine_ops = st.sampled_from(["join_group", "join_group", "status", "release_segments", "pause"]) | hostile_ops
 guard_bodies = st.one_of(
     st.binary(max_size=64),
     st.text(max_size=64).map(str.encode),
-    st.integers(2, 5_000).map(lambda d: ('{"method": "hotweights_ping", "args": ' + "[" * d + "]" * d + "}").encode()),
+    st.integers(2, 5_000).map(
+        lambda d: ('{"method": "hotweights_engine", "args": ' + "[" * d + "]" * d + "}").encode()
+    ),
     st.integers(2, 5_000).map(lambda d: ('{"method": "x", "kwargs": ' + '{"a":' * d + "1" + "}" * d + "}").encode()),
     st.fixed_dictionaries(
-        {"method": st.sampled_from(["hotweights_init_communicator", "init_weight_transfer_engine", "hotweights_ping"])},
+        {"method": st.sampled_from(["hotweights_engine", "init_weight_transfer_engine", "hotweights_begin"])},
         optional={
-            "args": st.lists(garbage, max_size=6) | garbage,
-            "kwargs": st.dictionaries(st.sampled_from(["host", "timeout", "init_info", "x"]), garbage) | garbage,
+            "args": st.lists(garbage, max_size=6)
+            | garbage
+            | st.tuples(engine_ops, join_args).map(list)
+            | st.tuples(engine_ops, join_args, garbage).map(list)
+            | st.tuples(engine_ops).map(list),
+            "kwargs": st.dictionaries(
+                st.sampled_from(["host", "timeout", "init_info", "x", "op", "args_json"]),
+                garbage | engine_ops | join_args,
+            )
+            | garbage,
             "timeout": json_scalars,
         },
     ).map(lambda b: json.dumps(b).encode()),
     json_values.map(lambda v: json.dumps(v).encode()),
+    # a rendezvous, its arguments positional or by name, the call's own timeout well-formed or not
+    st.fixed_dictionaries(
+        {
+            "method": st.just("hotweights_engine"),
+            "args": st.tuples(st.just("join_group"), join_objects | join_args).map(list),
+        },
+        optional={"timeout": st.none() | st.sampled_from([1, 600, 601, -1]) | json_scalars},
+    ).map(lambda b: json.dumps(b).encode()),
+    st.fixed_dictionaries(
+        {
+            "method": st.just("hotweights_engine"),
+            "args": st.sampled_from([[], ["join_group"]]),
+            "kwargs": st.fixed_dictionaries(
+                {"op": st.just("join_group")}, optional={"args_json": join_objects | join_args}
+            ),
+        },
+        optional={"timeout": st.none() | st.sampled_from([1, 600, 601, -1])},
+    ).map(lambda b: json.dumps(b).encode()),
 )
+
+
+def _guarded_join(request: dict[str, Any]) -> Any:
+    """The ``join_group`` arguments a worker would read from a ``hotweights_engine`` body (None: no rendezvous)."""
+    args, kwargs = request.get("args", []), request.get("kwargs", {})
+    op = args[0] if args else kwargs.get("op")
+    if request.get("method") != "hotweights_engine" or op != "join_group":
+        return None
+    return args[1] if len(args) > 1 else kwargs.get("args_json", "{}")
 
 
 @FUZZ
@@ -1046,6 +1389,15 @@ def test_the_guard_answers_any_body_with_a_refusal_or_a_json_object(body: bytes,
         original = json.loads(body)
         assert set(request) - {"timeout"} == set(original) - {"timeout"}
         assert request["method"] == original["method"] and isinstance(request["method"], str)
+        raw = _guarded_join(request)
+        if raw is not None:  # a rendezvous passed on: its host is allowed, its timeout (if any) a capped number
+            join = json.loads(raw)
+            assert isinstance(join, dict)
+            assert GUARD.host_allowed(join.get("host"), "127.0.0.1"), join.get("host")
+            if "timeout" in join:
+                t = join["timeout"]
+                assert isinstance(t, (int, float)) and not isinstance(t, bool) and 0 <= t <= GUARD.max_rpc_timeout, t
+            event("rendezvous passed")
     event("rewritten" if checked is not None else "passed")
 
 
@@ -1063,10 +1415,10 @@ def test_a_bucket_cannot_claim_more_bytes_than_its_manifest(fx: Fixture) -> None
 
 def test_a_refused_streaming_begin_keeps_the_delta_copy(fx: Fixture) -> None:
     worker, _ = _worker(fx, PreState(session=False, bucket_bytes=128, staged=0, delta_base=True, group=False))
-    assert delta_state.state(worker).base is not None
+    assert session_of(worker).base.copy is not None
     with pytest.raises(WeightManifestValidationError):
-        worker.hotweights_begin("not a manifest", "streaming")
-    assert delta_state.state(worker).base is not None, "a refused begin dropped the delta copy"
+        worker.hotweights_begin(_options("not a manifest", commit="streaming"))
+    assert session_of(worker).base.copy is not None, "a refused begin dropped the delta copy"
 
 
 def test_a_cuda_ipc_descriptor_on_a_cpu_build_is_refused_typed(fx: Fixture) -> None:
@@ -1086,23 +1438,25 @@ def test_a_rendezvous_timeout_beyond_float_is_refused_and_keeps_the_group(fx: Fi
     stale group is closed first, then ``float(timeout)`` overflows."""
     worker, _ = _worker(fx, PreState(session=False, bucket_bytes=128, staged=0, delta_base=False, group=True))
     no_rendezvous = mock.patch.object(collective, "create_group", side_effect=AssertionError("no rendezvous expected"))
+    join = {"host": "127.0.0.1", "port": 1234, "world_size": 2, "backend": "gloo", "timeout": 10**400}
     with no_rendezvous, contextlib.suppress(ValueError):
-        worker.hotweights_init_communicator("127.0.0.1", 1234, 2, "gloo", 10**400)
+        worker.hotweights_engine("join_group", json.dumps(join))
     assert getattr(worker, "_hotweights_group", None) is not None
 
 
 def test_a_delta_cannot_claim_more_wire_bytes_than_the_model_holds() -> None:
     """A delta's wire tensors are bounded by the worker's copy before anything is staged: a hostile count is refused
     (the collective transport would otherwise allocate it)."""
-    from hotweights.core.delta import DeltaEntry, DeltaManifest
+    from hotweights.core.delta import DeltaEntry
 
     worker = HotWeightsWorkerExtension()
     base = WeightUpdateManifest.from_state_dict({"w": torch.zeros(4)}, weight_version=0)
-    delta_state.track(worker, True)
-    delta_state.remember(worker, base, [("w", torch.zeros(4))])
+    kept = session_of(worker).base
+    kept.tracking = True
+    kept.remember(base, [("w", torch.zeros(4))])
     huge = DeltaEntry(encoding="sparse", shape=(4,), dtype="torch.float32", count=1 << 40, index_dtype="torch.int32")
     delta = DeltaManifest(weight_version=1, base_version=0, entries={"w": huge})
     wire = WeightUpdateManifest(update_id=delta.update_id, weight_version=1, tensors=delta.wire_specs())
     with pytest.raises(ValueError, match="more than a delta of this model can hold"):
-        worker.hotweights_delta_begin(delta.to_json(), wire.to_json())
-    assert worker._hotweights.session is None  # nothing staged
+        worker.hotweights_begin(SessionOptions(manifest=wire.to_json(), delta=delta.to_json()).model_dump_json())
+    assert session_of(worker).staging.session is None  # nothing staged

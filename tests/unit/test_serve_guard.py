@@ -69,7 +69,7 @@ class FakeVLLM:
             config = {"parallel_config": {"worker_extension_cls": hotweights.WORKER_EXTENSION}}
             return JSONResponse({"vllm_config": {**config, "model_config": {"model": "tiny", "dtype": "float32"}}})
         if path == "/collective_rpc":
-            return JSONResponse({"results": ["hotweights"]})
+            return JSONResponse({"results": [STATUS_ANSWER]})
         return JSONResponse({"ok": True})
 
     async def chunks(self) -> AsyncIterator[bytes]:
@@ -86,6 +86,16 @@ class FakeVLLM:
 
     def last_body(self) -> Any:
         return json.loads(self.calls[-1][2])
+
+    def last_join(self, where: str = "args") -> Any:
+        """The arguments of the last join_group call that reached vLLM (from its args, or its kwargs)."""
+        body = self.last_body()
+        assert body["method"] == serve_guard.ENGINE_OP
+        if where == "args":
+            assert body["args"][0] == serve_guard.RENDEZVOUS
+            return json.loads(body["args"][1])
+        assert body["kwargs"]["op"] == serve_guard.RENDEZVOUS
+        return json.loads(body["kwargs"]["args_json"])
 
 
 @pytest.fixture
@@ -106,6 +116,31 @@ def rpc(method: str, *args: Any, timeout: Any = 30.0, **kwargs: Any) -> dict[str
     return {"method": method, "args": list(args), "kwargs": kwargs, "timeout": timeout}
 
 
+#: The fields of a join_group's JSON object, in the order :func:`join` takes them positionally.
+JOIN_FIELDS = ("host", "port", "world_size", "backend", "timeout")
+
+
+def join(*values: Any, **fields: Any) -> dict[str, Any]:
+    """The rendezvous: ``hotweights_engine("join_group", <JSON object>)``, its fields given in the order of
+    JOIN_FIELDS and/or by name (the call itself has the default timeout)."""
+    args = {**dict(zip(JOIN_FIELDS, values, strict=False)), **fields}
+    return rpc(serve_guard.ENGINE_OP, serve_guard.RENDEZVOUS, json.dumps(args))
+
+
+def join_kwargs(**fields: Any) -> dict[str, Any]:
+    """The rendezvous with ``op`` and ``args_json`` as collective_rpc kwargs."""
+    return rpc(serve_guard.ENGINE_OP, op=serve_guard.RENDEZVOUS, args_json=json.dumps(fields))
+
+
+def engine_status(*extra: Any, timeout: Any = 30.0) -> dict[str, Any]:
+    """A call that is not a rendezvous: ``hotweights_engine("status", "{}")``."""
+    return rpc(serve_guard.ENGINE_OP, "status", "{}", *extra, timeout=timeout)
+
+
+#: What the fake workers answer every /collective_rpc with (a worker's ``status``).
+STATUS_ANSWER = {"hotweights": "hotweights", "protocol": 2, "weights_asleep": False, "pause_owner": ""}
+
+
 # ------------------------------------------------------------------------------------------------ token
 @pytest.mark.parametrize(
     "headers",
@@ -124,7 +159,7 @@ def test_no_valid_token_is_401_and_reaches_nothing(
     fake: FakeVLLM, headers: dict[str, str], method: str, path: str
 ) -> None:
     with client(guarded(fake), token=None) as c:
-        answer = c.request(method, path, headers=headers, json=rpc("hotweights_ping"))
+        answer = c.request(method, path, headers=headers, json=engine_status())
     assert answer.status_code == 401
     assert answer.headers["www-authenticate"].startswith("Bearer")
     message = answer.json()["error"]["message"]
@@ -141,7 +176,7 @@ def test_no_valid_token_is_401_and_reaches_nothing(
 @pytest.mark.parametrize(("method", "path"), [r for r in ROUTES if r[0] != "OPTIONS" and r[1] != "/no/such/route"])
 def test_the_token_lets_every_route_through(fake: FakeVLLM, headers: dict[str, str], method: str, path: str) -> None:
     with client(guarded(fake), token=None) as c:
-        answer = c.request(method, path, headers=headers, json=rpc("hotweights_ping"))
+        answer = c.request(method, path, headers=headers, json=engine_status())
     assert answer.status_code == 200, answer.text
     assert [(m, p) for m, p, _, _ in fake.calls] == [(method, path)]
 
@@ -210,7 +245,7 @@ def test_without_a_token_only_the_body_checks_apply(fake: FakeVLLM) -> None:
     app = HotWeightsGuard(fake.app, GuardConfig(None))
     with client(app, token=None) as c:
         assert c.get("/v1/models").status_code == 200
-        assert c.post("/collective_rpc", json=rpc(serve_guard.RENDEZVOUS, "10.9.9.9", 1, 2)).status_code == 403
+        assert c.post("/collective_rpc", json=join("10.9.9.9", 1, 2)).status_code == 403
 
 
 # ------------------------------------------------------------------------------------------------ rendezvous hosts
@@ -239,23 +274,31 @@ def test_without_a_token_only_the_body_checks_apply(fake: FakeVLLM) -> None:
 )
 def test_rendezvous_host_rule(fake: FakeVLLM, host: Any, allow: tuple[str, ...], status: int) -> None:
     with client(guarded(fake, communicator_hosts=allow)) as c:
-        answer = c.post("/collective_rpc", json=rpc(serve_guard.RENDEZVOUS, host, 29500, 2, "gloo", 60.0))
+        answer = c.post("/collective_rpc", json=join(host, 29500, 2, "gloo", 60.0))
     assert answer.status_code == status, answer.text
     if status == 403:
         assert "--communicator-hosts" in answer.json()["error"]["message"]
         assert fake.calls == []
     else:
-        assert fake.last_body()["args"][0] == host
+        assert fake.last_join() == {"host": host, "port": 29500, "world_size": 2, "backend": "gloo", "timeout": 60.0}
 
 
 @pytest.mark.parametrize(
     "body",
     [
-        rpc(serve_guard.RENDEZVOUS, host="10.0.0.8", port=1, world_size=2),
+        join_kwargs(host="10.0.0.8", port=1, world_size=2),
+        rpc(serve_guard.ENGINE_OP, serve_guard.RENDEZVOUS, args_json=json.dumps({"host": "10.0.0.8", "port": 1})),
+        join(port=1, world_size=2, host="10.0.0.8"),
         rpc(serve_guard.TRANSFER_INIT, init_info={"host": "10.0.0.8", "port": 1, "world_size": 2}),
         rpc(serve_guard.TRANSFER_INIT, {"master_address": "10.0.0.8", "master_port": 1}),
     ],
-    ids=["rendezvous-kwargs", "transfer-init-kwargs", "transfer-init-nccl-args"],
+    ids=[
+        "rendezvous-kwargs",
+        "rendezvous-op-args-json-kwarg",
+        "rendezvous-args-host-last",
+        "transfer-init-kwargs",
+        "transfer-init-nccl-args",
+    ],
 )
 def test_rendezvous_host_rule_in_every_form(fake: FakeVLLM, body: dict[str, Any]) -> None:
     with client(guarded(fake)) as c:
@@ -263,6 +306,35 @@ def test_rendezvous_host_rule_in_every_form(fake: FakeVLLM, body: dict[str, Any]
         body = json.loads(json.dumps(body).replace("10.0.0.8", "10.0.0.7"))
         assert c.post("/collective_rpc", json=body).status_code == 200
     assert len(fake.calls) == 1
+
+
+def test_a_rendezvous_without_its_arguments_names_no_host_and_is_refused(fake: FakeVLLM) -> None:
+    with client(guarded(fake)) as c:
+        for body in (
+            rpc(serve_guard.ENGINE_OP, serve_guard.RENDEZVOUS),  # args_json defaults to "{}" at the worker
+            rpc(serve_guard.ENGINE_OP, op=serve_guard.RENDEZVOUS),
+            rpc(serve_guard.ENGINE_OP, serve_guard.RENDEZVOUS, "{}"),
+            join(port=1, world_size=2),
+        ):
+            answer = c.post("/collective_rpc", json=body)
+            assert answer.status_code == 403, body
+            assert "--communicator-hosts" in answer.json()["error"]["message"]
+    assert fake.calls == []
+
+
+def test_other_engine_operations_are_not_read_as_a_rendezvous(fake: FakeVLLM) -> None:
+    """Only join_group connects a worker to a host: the arguments of another operation pass on unread."""
+    with client(guarded(fake)) as c:
+        for body in (
+            rpc(serve_guard.ENGINE_OP, "status", json.dumps({"host": "10.9.9.9"})),
+            rpc(serve_guard.ENGINE_OP, "leave_group", "{not json"),
+            rpc(serve_guard.ENGINE_OP, op="release_segments", args_json=json.dumps({"ids": None})),
+            rpc("hotweights_stage", serve_guard.RENDEZVOUS, json.dumps({"host": "10.9.9.9"})),
+        ):
+            sent = json.dumps(body).encode()
+            assert c.post("/collective_rpc", content=sent).status_code == 200, body
+            assert fake.calls[-1][2] == sent
+    assert len(fake.calls) == 4
 
 
 def test_the_transfer_init_route_is_checked(fake: FakeVLLM) -> None:
@@ -280,7 +352,7 @@ def test_over_a_unix_socket_only_loopback_may_rendezvous(fake: FakeVLLM) -> None
     assert not config.host_allowed("10.0.0.7", None)
     app = guarded(fake)
     with client(app, caller=("", 0)) as c:
-        assert c.post("/collective_rpc", json=rpc(serve_guard.RENDEZVOUS, "10.0.0.7", 1, 2)).status_code == 403
+        assert c.post("/collective_rpc", json=join("10.0.0.7", 1, 2)).status_code == 403
 
 
 # ------------------------------------------------------------------------------------------------ timeouts
@@ -288,7 +360,7 @@ def test_over_a_unix_socket_only_loopback_may_rendezvous(fake: FakeVLLM) -> None
     ("timeout", "seen"), [(30.0, 30.0), (600, 600), (1e9, 120.0), (None, 120.0), ("missing", 120.0), (0, 0)]
 )
 def test_the_call_timeout_is_capped(fake: FakeVLLM, timeout: Any, seen: float) -> None:
-    body = rpc("hotweights_ping", timeout=timeout)
+    body = engine_status(timeout=timeout)
     if timeout == "missing":
         del body["timeout"]
     with client(guarded(fake, max_rpc_timeout=120.0 if seen != 600 else 600.0)) as c:
@@ -299,7 +371,7 @@ def test_the_call_timeout_is_capped(fake: FakeVLLM, timeout: Any, seen: float) -
 
 
 def test_an_unchanged_body_is_passed_on_byte_for_byte(fake: FakeVLLM) -> None:
-    sent = b'{"method":"hotweights_ping","args":[],"kwargs":{},"timeout":5,"x":"\\u00e9"}'
+    sent = b'{"method":"hotweights_engine","args":["status","{}"],"kwargs":{},"timeout":5,"x":"\\u00e9"}'
     with client(guarded(fake)) as c:
         assert c.post("/collective_rpc", content=sent).status_code == 200
     assert fake.calls[-1][2] == sent
@@ -307,12 +379,21 @@ def test_an_unchanged_body_is_passed_on_byte_for_byte(fake: FakeVLLM) -> None:
 
 def test_the_rendezvous_timeout_is_capped(fake: FakeVLLM) -> None:
     with client(guarded(fake, max_rpc_timeout=100.0)) as c:
-        assert c.post("/collective_rpc", json=rpc(serve_guard.RENDEZVOUS, "127.0.0.1", 1, 2, "gloo", 1e6)).is_success
-        assert fake.last_body()["args"][4] == 100.0
-        body = rpc(serve_guard.RENDEZVOUS, host="::1", port=1, world_size=2)
-        body["kwargs"]["timeout"] = 1e6
+        assert c.post("/collective_rpc", json=join("127.0.0.1", 1, 2, "gloo", 1e6)).is_success
+        assert fake.last_join() == {
+            "host": "127.0.0.1",
+            "port": 1,
+            "world_size": 2,
+            "backend": "gloo",
+            "timeout": 100.0,
+        }
+        body = join_kwargs(host="::1", port=1, world_size=2, timeout=1e6)
         assert c.post("/collective_rpc", json=body).is_success
-        assert fake.last_body()["kwargs"]["timeout"] == 100.0
+        assert fake.last_join("kwargs") == {"host": "::1", "port": 1, "world_size": 2, "timeout": 100.0}
+        assert fake.last_body()["timeout"] == 30.0  # the call's own timeout is not the rendezvous'
+        sent = json.dumps(join("127.0.0.1", 1, 2, "gloo", 50.0)).encode()  # under the cap: passed on as it is
+        assert c.post("/collective_rpc", content=sent).is_success
+        assert fake.calls[-1][2] == sent
         info = {"host": "127.0.0.1", "port": 1, "world_size": 2, "timeout": 1e6}
         assert c.post("/init_weight_transfer_engine", json={"init_info": info}).is_success
         assert fake.last_body()["init_info"]["timeout"] == 100.0
@@ -321,9 +402,11 @@ def test_the_rendezvous_timeout_is_capped(fake: FakeVLLM) -> None:
 @pytest.mark.parametrize("timeout", ["600", True, -1, [1], {"s": 1}], ids=["string", "bool", "negative", "list", "obj"])
 def test_a_timeout_that_is_not_seconds_is_400(fake: FakeVLLM, timeout: Any) -> None:
     with client(guarded(fake)) as c:
-        answer = c.post("/collective_rpc", json=rpc("hotweights_ping", timeout=timeout))
-        rendezvous = c.post("/collective_rpc", json=rpc(serve_guard.RENDEZVOUS, "127.0.0.1", 1, 2, "gloo", timeout))
-    assert answer.status_code == rendezvous.status_code == 400
+        answer = c.post("/collective_rpc", json=engine_status(timeout=timeout))
+        rendezvous = c.post("/collective_rpc", json=join("127.0.0.1", 1, 2, "gloo", timeout))
+        by_name = c.post("/collective_rpc", json=join_kwargs(host="127.0.0.1", port=1, world_size=2, timeout=timeout))
+    assert answer.status_code == rendezvous.status_code == by_name.status_code == 400
+    assert "number of seconds" in rendezvous.json()["error"]["message"]
     assert "number of seconds" in answer.json()["error"]["message"]
     assert fake.calls == []
 
@@ -336,17 +419,27 @@ def test_a_timeout_that_is_not_seconds_is_400(fake: FakeVLLM, timeout: Any) -> N
         b"",
         b"\xff\xfe\x00garbage",
         b'["a", "list"]',
-        b'{"method": "hotweights_ping", "timeout": NaN}',
-        b'{"method": "hotweights_ping", "timeout": Infinity}',
+        b'{"method": "hotweights_engine", "timeout": NaN}',
+        b'{"method": "hotweights_engine", "timeout": Infinity}',
         b'{"method": ["not", "a", "string"]}',
-        b'{"method": "hotweights_ping", "args": {"10.9.9.9": 1}}',
-        b'{"method": "hotweights_ping", "kwargs": ["x"]}',
+        b'{"method": "hotweights_engine", "args": {"10.9.9.9": 1}}',
+        b'{"method": "hotweights_engine", "kwargs": ["x"]}',
         b'{"method": "init_weight_transfer_engine", "kwargs": {"init_info": "10.9.9.9"}}',
         b"[" * 100_000 + b"]" * 100_000,
+        b'{"method": "hotweights_engine", "args": ["join_group", "{not json"]}',
+        b'{"method": "hotweights_engine", "args": ["join_group", "[\\"10.9.9.9\\"]"]}',
+        b'{"method": "hotweights_engine", "args": ["join_group", "\\"10.9.9.9\\""]}',
+        b'{"method": "hotweights_engine", "args": ["join_group", {"host": "127.0.0.1"}]}',
+        b'{"method": "hotweights_engine", "args": ["join_group", null]}',
+        b'{"method": "hotweights_engine", "kwargs": {"op": "join_group", "args_json": 7}}',
+        b'{"method": "hotweights_engine", "kwargs": {"op": "join_group", "args_json": "[1, 2]"}}',
+        b'{"method": "hotweights_engine", "args": ["join_group", "' + b"[" * 100_000 + b"]" * 100_000 + b'"]}',
     ],
     ids=[
         "truncated", "empty", "not-utf8", "list", "nan", "infinity", "method-list", "args-dict", "kwargs-list",
-        "init-info-string", "deep",
+        "init-info-string", "deep", "join-args-not-json", "join-args-list", "join-args-string",
+        "join-args-not-a-string", "join-args-null", "join-args-json-kwarg-int", "join-args-json-kwarg-list",
+        "join-args-deep",
     ],
 )  # fmt: skip
 def test_a_malformed_body_is_400_not_a_crash(fake: FakeVLLM, raw: bytes) -> None:
@@ -361,8 +454,8 @@ def test_a_malformed_body_is_400_not_a_crash(fake: FakeVLLM, raw: bytes) -> None
 def test_a_huge_body_is_413(fake: FakeVLLM, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(serve_guard, "MAX_BODY_BYTES", 1000)
     with client(guarded(fake)) as c:
-        assert c.post("/collective_rpc", json=rpc("hotweights_ping", "x" * 2000)).status_code == 413
-        assert c.post("/collective_rpc", json=rpc("hotweights_ping", "x" * 100)).status_code == 200
+        assert c.post("/collective_rpc", json=engine_status("x" * 2000)).status_code == 413
+        assert c.post("/collective_rpc", json=engine_status("x" * 100)).status_code == 200
 
 
 def test_other_methods_and_paths_are_not_read(fake: FakeVLLM) -> None:
@@ -380,7 +473,7 @@ def test_a_root_path_is_stripped() -> None:
         await Response("ok")(scope, receive, send)
 
     c = TestClient(HotWeightsGuard(app, GuardConfig(TOKEN)), root_path="/api", client=CALLER)  # no lifespan
-    body = rpc(serve_guard.RENDEZVOUS, "10.9.9.9", 1, 2)
+    body = join("10.9.9.9", 1, 2)
     answer = c.post("/api/collective_rpc", json=body, headers={"X-HotWeights-Token": TOKEN})  # uvicorn's full path
     assert answer.status_code == 403
     assert c.get("/api/v1/models").status_code == 401
@@ -438,7 +531,7 @@ def test_the_guard_reads_the_environment(fake: FakeVLLM, monkeypatch: pytest.Mon
     with client(app, token=None) as c:
         assert c.get("/v1/models").status_code == 401
     with client(app) as c:
-        assert c.post("/collective_rpc", json=rpc(serve_guard.RENDEZVOUS, "10.0.0.8", 1, 2)).status_code == 200
+        assert c.post("/collective_rpc", json=join("10.0.0.8", 1, 2)).status_code == 200
 
 
 # ------------------------------------------------------------------------------------------------ the launcher
@@ -513,7 +606,7 @@ class Bridge(httpx.BaseTransport):
 def test_connect_sends_the_token_on_every_request(fake: FakeVLLM, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("HOTWEIGHTS_TOKEN", raising=False)
     with hotweights.connect("http://server:8000", token=TOKEN, transport=Bridge(guarded(fake))) as engine:
-        assert engine.call("hotweights_ping") == ["hotweights"]
+        assert engine.call(serve_guard.ENGINE_OP, "status", "{}") == [STATUS_ANSWER]
     assert len(fake.calls) >= 3  # world size, server info, the call
     assert all(h["x-hotweights-token"] == TOKEN and "authorization" not in h for *_, h in fake.calls)
 

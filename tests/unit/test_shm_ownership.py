@@ -28,7 +28,8 @@ import torch
 
 from hotweights.core.buckets import Bucket, plan_buckets
 from hotweights.core.manifest import WeightUpdateManifest
-from hotweights.transports import shm
+from hotweights.engine.worker_extension import HotWeightsWorkerExtension
+from hotweights.transports import EngineLink, shm
 
 DEAD_PID = 999_999_999  # above any kernel's pid_max (at most 2**22): a pid no process here has
 
@@ -92,15 +93,16 @@ def _kill(proc: subprocess.Popen[str]) -> None:
 
 
 class _Link:
-    """An engine link whose ``hotweights_release_segments`` succeeds, or raises ``fails``."""
+    """An engine link whose operations (``release_segments``) succeed, or raise ``fails``; each is recorded with its
+    arguments as the workers would read them (a JSON object)."""
 
     def __init__(self, fails: BaseException | None = None) -> None:
         self.fails = fails
-        self.calls: list[str] = []
+        self.calls: list[tuple[str, dict[str, Any]]] = []
         self.num_workers = 1
 
-    def call(self, method: str, *args: Any) -> list[Any]:
-        self.calls.append(method)
+    def engine_op(self, op: str, **args: Any) -> list[Any]:
+        self.calls.append((op, json.loads(json.dumps(args))))
         if self.fails is not None:
             raise self.fails
         return [0]
@@ -288,11 +290,11 @@ def test_a_worker_refuses_a_file_of_another_user(kept: bool, monkeypatch: pytest
     descriptor: dict[str, Any] = {"transport": "shm", "path": str(path), "nbytes": 8}
     if kept:
         descriptor["segment"] = sid
-    worker = type("Worker", (), {})()
+    worker = HotWeightsWorkerExtension()
     try:
         buffer, _ = shm.open_bucket(descriptor, worker)  # this worker's own user's file: mapped
         assert buffer.numel() == 8
-        shm.release_segments(worker)
+        assert worker.hotweights_engine("release_segments", json.dumps({"ids": None})) == int(kept)
         monkeypatch.setattr(shm.os, "geteuid", lambda: path.stat().st_uid + 4242)  # a worker of another user
         with pytest.raises(ValueError, match=r"refusing to map .*: owned by uid \d+, not this worker's"):
             shm.open_bucket(descriptor, worker)
@@ -310,17 +312,21 @@ def test_close_removes_everything_even_when_the_workers_cannot_be_told(caplog: p
         _kept_file(transport)
         segments = shm.Transport(keep_segments=True)
         link = _Link(fails)
+        assert isinstance(link, EngineLink)
         segments.connect(link)
         segments.send(_bucket({"w": torch.ones(4)}, 1), {"w": torch.ones(4)}, lambda d: None)  # shared: unlinked
         _unshared_segment(segments)
         assert len(_ours()) == 2
+        ids = sorted(seg.id for seg in segments._kept.values())
+        assert len(ids) == 2
         transport.close()
         if isinstance(fails, KeyboardInterrupt):
             with pytest.raises(KeyboardInterrupt):
                 segments.close()
         else:
             segments.close()
-        assert link.calls == ["hotweights_release_segments"]
+        assert [op for op, _ in link.calls] == ["release_segments"]
+        assert sorted(link.calls[0][1]["ids"]) == ids and set(link.calls[0][1]) == {"ids"}
         assert _ours() == [] and segments._kept == {}
         warned = [r for r in caplog.records if "could not ask the engine's workers to unmap 2" in r.getMessage()]
         assert len(warned) == (isinstance(fails, RuntimeError))

@@ -17,11 +17,12 @@ import torch
 from tqdm import tqdm
 
 import hotweights.telemetry as telemetry
-from hotweights import InstallError, InstallReport, WeightInstallAdapter, WeightTransport, WeightUpdateManifest
-from hotweights.adapters._vllm import VLLMTransportAdapter
+from hotweights import InstallError, InstallReport, WeightUpdateManifest
+from hotweights.adapters import WeightInstallAdapter
+from hotweights.adapters._vllm import VLLMSessionAdapter
 from hotweights.core.buckets import Bucket, plan_buckets
 from hotweights.core.report import PhaseTimer
-from hotweights.transports import Descriptor, Stage
+from hotweights.transports import Descriptor, Stage, WeightTransport
 
 
 class DictAdapter(WeightInstallAdapter):
@@ -54,17 +55,21 @@ class CountingTransport(WeightTransport):
 
 
 class BucketAdapter(WeightInstallAdapter):
-    """The transport adapters' bucket loop (``VLLMTransportAdapter._send_buckets``) without an engine: staged
-    descriptors are kept in a list."""
+    """The session adapters' bucket loop (``VLLMSessionAdapter._send``) without an engine: staged descriptors are
+    kept in a list."""
 
     name = "buckets"
-    _send_buckets = VLLMTransportAdapter._send_buckets
+    _send = VLLMSessionAdapter._send
 
     def __init__(self, transport: WeightTransport, bucket_bytes: int) -> None:
         super().__init__()
         self.transport = transport
         self.bucket_size = bucket_bytes
         self.staged: list[tuple[int, Descriptor]] = []
+        self.wire = self  # the bucket loop stages through its wire: here, into the list
+
+    def stage(self, update_id: str, bucket_json: str, descriptor: Descriptor) -> None:
+        self.staged.append((Bucket.model_validate_json(bucket_json).index, descriptor))
 
     @property
     def label(self) -> str:
@@ -74,7 +79,7 @@ class BucketAdapter(WeightInstallAdapter):
         self, manifest: WeightUpdateManifest, items: Sequence[tuple[str, torch.Tensor]], timer: PhaseTimer
     ) -> None:
         self._begin_writing(timer)
-        self._send_buckets(manifest, dict(items), timer, lambda b, d: self.staged.append((b.index, d)))
+        self._send(manifest, dict(items), plan_buckets(manifest, self.bucket_size), timer, False)
 
     def _recover(self) -> str:
         return "nothing to recover"

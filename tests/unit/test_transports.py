@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import gc
+import json
 import os
 import stat
 from pathlib import Path
 from typing import Any
 
+import pydantic
 import pytest
 import torch
 
@@ -15,7 +17,8 @@ import hotweights.transports as transports
 from hotweights.core.buckets import Bucket, BucketEntry, plan_buckets, unpack
 from hotweights.core.errors import HotWeightsError
 from hotweights.core.manifest import WeightUpdateManifest
-from hotweights.engine import worker_extension
+from hotweights.engine import worker_extension, worker_ops
+from hotweights.engine.session import PROTOCOL, SessionOptions, session_of
 from hotweights.engine.worker_extension import HotWeightsWorkerExtension
 from hotweights.transports import (
     WeightTransport,
@@ -114,20 +117,20 @@ class _Worker:
 
 
 class _Link:
-    """An EngineLink whose one worker is in this process: ``call`` runs the extension method on it."""
+    """An EngineLink whose one worker is in this process: ``engine_op`` runs the extension's operation on it."""
 
     def __init__(self, worker: _Worker) -> None:
         self.worker = worker
-        self.calls: list[tuple[str, Any]] = []
+        self.calls: list[tuple[str, dict[str, Any]]] = []
 
     @property
     def num_workers(self) -> int:
         return 1
 
-    def call(self, method: str, *args: Any) -> list[Any]:
-        self.calls.append((method, args))
-        assert method == "hotweights_release_segments"
-        return [shm.release_segments(self.worker, *args)]
+    def engine_op(self, op: str, **args: Any) -> list[Any]:
+        self.calls.append((op, args))
+        assert op == "release_segments"
+        return [worker_extension.ENGINE_OPS[op](self.worker, **json.loads(json.dumps(args)))]  # as JSON crosses
 
 
 class TestShmKeptSegments:
@@ -163,7 +166,7 @@ class TestShmKeptSegments:
         _assert_same(got_b, b)  # the worker's shared mapping sees the trainer's new bytes
         assert sorted(shm._kept_segments(worker)) == sorted(ids_a)
         transport.close()
-        assert link.calls == [("hotweights_release_segments", (ids_a,))]
+        assert link.calls == [("release_segments", {"ids": ids_a})]
         assert shm._kept_segments(worker) == {}
 
     def test_one_segment_for_every_bucket_when_the_engine_keeps_no_view(self) -> None:
@@ -558,8 +561,20 @@ class _Recorder:
 
 
 def _core(result: dict[str, int]) -> tuple[int, int, int]:
-    """The counts every finish reports (it may report more)."""
+    """The counts every commit reports (it may report more)."""
     return result["tensors"], result["bytes"], result["tied_layers_refreshed"]
+
+
+def _options(manifest: WeightUpdateManifest, commit: str = "atomic", method: str = "reload") -> str:
+    """``begin``'s options for ``manifest`` (``reload``: these workers have no model for ``auto`` to plan on)."""
+    return SessionOptions(manifest=manifest.to_json(), commit=commit, method=method).model_dump_json()  # type: ignore[arg-type]
+
+
+def _begin(ext: HotWeightsWorkerExtension, manifest: WeightUpdateManifest, **options: str) -> str:
+    """Open a session for ``manifest``; its update id."""
+    opened = ext.hotweights_begin(_options(manifest, **options))
+    assert opened["ok"] is True
+    return str(opened["update_id"])
 
 
 class TestWorkerExtension:
@@ -568,7 +583,7 @@ class TestWorkerExtension:
     @pytest.fixture
     def recorder(self, monkeypatch: pytest.MonkeyPatch) -> _Recorder:
         rec = _Recorder()
-        monkeypatch.setattr(worker_extension, "reload_checkpoint_tensors", rec)
+        monkeypatch.setattr(worker_ops, "reload_checkpoint_tensors", rec)
         return rec
 
     @staticmethod
@@ -583,11 +598,18 @@ class TestWorkerExtension:
     @staticmethod
     def _assert_closed(ext: HotWeightsWorkerExtension, update_id: str) -> None:
         with pytest.raises(RuntimeError, match=rf"no open install session '{update_id}'"):
-            ext.hotweights_finish(update_id)
+            ext.hotweights_prepare(update_id)
+        with pytest.raises(RuntimeError, match=rf"no open install session '{update_id}'"):
+            ext.hotweights_commit(update_id)
         assert ext.hotweights_abort(update_id) is False
 
-    def test_ping(self) -> None:
-        assert HotWeightsWorkerExtension().hotweights_ping() == "hotweights"
+    def test_status(self) -> None:
+        assert HotWeightsWorkerExtension().hotweights_engine("status") == {
+            "hotweights": "hotweights",
+            "protocol": PROTOCOL,
+            "weights_asleep": False,  # no sleep mode in this process
+            "pause_owner": "",
+        }
 
     def test_full_session_installs_every_tensor_once_in_manifest_order(self, recorder: _Recorder) -> None:
         tensors = _tensors()
@@ -595,12 +617,14 @@ class TestWorkerExtension:
         plan = plan_buckets(m, bucket_bytes=300)
         assert len(plan) > 2
         ext = HotWeightsWorkerExtension()
-        assert ext.hotweights_begin(m.to_json()) == "u1"
+        opened = ext.hotweights_begin(_options(m))
+        assert opened == {"ok": True, "update_id": "u1", "method": "reload", "reason": opened["reason"]}
         staged = [self._stage(ext, "u1", b, tensors) for b in reversed(plan)]  # any bucket order
         assert staged == [b.nbytes for b in reversed(plan)]
-        assert recorder.calls == []  # nothing installed before finish
-        result = ext.hotweights_finish("u1")
+        assert recorder.calls == []  # nothing installed before commit
+        result = ext.hotweights_commit("u1")
         assert _core(result) == (len(tensors), sum(b.nbytes for b in plan), 2)
+        assert result["install_method"] == "reload"
         ((worker, items),) = recorder.calls
         assert worker is ext
         assert [n for n, _ in items] == list(m.tensors)  # manifest order, each exactly once
@@ -608,18 +632,37 @@ class TestWorkerExtension:
         self._assert_closed(ext, "u1")
         assert len(recorder.calls) == 1
 
+    def test_prepare_writes_nothing_and_commit_installs_what_it_prepared(self, recorder: _Recorder) -> None:
+        tensors = _tensors()
+        m = _manifest(tensors, update_id="u1")
+        plan = plan_buckets(m, bucket_bytes=300)
+        ext = HotWeightsWorkerExtension()
+        _begin(ext, m)
+        for b in plan:
+            self._stage(ext, "u1", b, tensors)
+        assert ext.hotweights_prepare("u1") == []
+        assert ext.hotweights_prepare("u1") == []  # prepared once: ready, still nothing written
+        assert recorder.calls == []
+        with pytest.raises(RuntimeError, match=r"no open install session 'other' on this worker \(open: 'u1'\)"):
+            ext.hotweights_prepare("other")
+        assert _core(ext.hotweights_commit("u1")) == (len(tensors), sum(b.nbytes for b in plan), 2)
+        ((_, items),) = recorder.calls
+        assert [n for n, _ in items] == list(m.tensors)
+        _assert_same(dict(items), tensors)
+        self._assert_closed(ext, "u1")
+
     def test_session_is_cleared_when_the_reload_fails(self, monkeypatch: pytest.MonkeyPatch) -> None:
         def failing(worker: Any, items: Any) -> int:
             raise RuntimeError("reload failed")
 
-        monkeypatch.setattr(worker_extension, "reload_checkpoint_tensors", failing)
+        monkeypatch.setattr(worker_ops, "reload_checkpoint_tensors", failing)
         tensors = {"w": torch.ones(3)}
         m = _manifest(tensors, update_id="u1")
         ext = HotWeightsWorkerExtension()
-        ext.hotweights_begin(m.to_json())
+        _begin(ext, m)
         self._stage(ext, "u1", plan_buckets(m, bucket_bytes=1024)[0], tensors)
         with pytest.raises(RuntimeError, match="reload failed"):
-            ext.hotweights_finish("u1")
+            ext.hotweights_commit("u1")
         self._assert_closed(ext, "u1")
 
     def test_stage_for_an_unknown_update_raises(self, recorder: _Recorder) -> None:
@@ -629,20 +672,20 @@ class TestWorkerExtension:
         ext = HotWeightsWorkerExtension()
         with pytest.raises(RuntimeError, match=r"no open install session 'u1' on this worker \(open: None\)"):
             self._stage(ext, "u1", bucket, tensors)
-        ext.hotweights_begin(m.to_json())
+        _begin(ext, m)
         with pytest.raises(RuntimeError, match=r"no open install session 'other' on this worker \(open: 'u1'\)"):
             self._stage(ext, "other", bucket, tensors)
         with pytest.raises(RuntimeError, match="no open install session 'other'"):
-            ext.hotweights_finish("other")
+            ext.hotweights_commit("other")
         assert self._stage(ext, "u1", bucket, tensors) == 12  # the real session is unaffected
-        assert _core(ext.hotweights_finish("u1")) == (1, 12, 2)
+        assert _core(ext.hotweights_commit("u1")) == (1, 12, 2)
 
     def test_a_bucket_repeating_staged_tensors_raises(self, recorder: _Recorder) -> None:
         tensors = _tensors()
         m = _manifest(tensors, update_id="u1")
         plan = plan_buckets(m, bucket_bytes=300)
         ext = HotWeightsWorkerExtension()
-        ext.hotweights_begin(m.to_json())
+        _begin(ext, m)
         self._stage(ext, "u1", plan[0], tensors)
         first_names = [e.name for e in plan[0].entries]
         with pytest.raises(ValueError, match=r"^bucket 0\b.*already staged") as info:
@@ -651,7 +694,7 @@ class TestWorkerExtension:
             assert repr(name) in str(info.value)
         for b in plan[1:]:
             self._stage(ext, "u1", b, tensors)
-        result = ext.hotweights_finish("u1")
+        result = ext.hotweights_commit("u1")
         assert result["bytes"] == sum(b.nbytes for b in plan)  # the refused bucket was not counted
         assert [n for n, _ in recorder.calls[0][1]] == list(m.tensors)
 
@@ -659,7 +702,7 @@ class TestWorkerExtension:
         tensors = {"w": torch.ones(4), "v": torch.ones(2)}
         m = _manifest(tensors, update_id="u1")
         ext = HotWeightsWorkerExtension()
-        ext.hotweights_begin(m.to_json())
+        _begin(ext, m)
         bad = Bucket(
             index=0,
             nbytes=72,
@@ -669,28 +712,30 @@ class TestWorkerExtension:
             self._stage(ext, "u1", bad, {"w": tensors["w"], "ghost": torch.zeros(2)})
         for b in plan_buckets(m, bucket_bytes=1024):  # "w" was not staged by the refused bucket: no "repeat"
             self._stage(ext, "u1", b, tensors)
-        assert _core(ext.hotweights_finish("u1")) == (2, 72, 2)
+        assert _core(ext.hotweights_commit("u1")) == (2, 72, 2)
 
     def test_a_short_buffer_is_refused(self, recorder: _Recorder) -> None:
         tensors = {"w": torch.ones(4)}
         m = _manifest(tensors, update_id="u1")
         bucket = plan_buckets(m, bucket_bytes=1024)[0]
         ext = HotWeightsWorkerExtension()
-        ext.hotweights_begin(m.to_json())
+        _begin(ext, m)
         short = {"transport": "bytes", "data": b"\0" * 8, "nbytes": 8}  # consistent, but smaller than the bucket
         with pytest.raises(ValueError, match=r"^bucket 0\b.* 8 bytes.* 16"):
             ext.hotweights_stage("u1", bucket.model_dump_json(), short)
 
-    def test_finish_with_missing_tensors_names_them(self, recorder: _Recorder) -> None:
+    @pytest.mark.parametrize("step", ["prepare", "commit"])
+    def test_finish_with_missing_tensors_names_them(self, recorder: _Recorder, step: str) -> None:
+        """Both ``prepare`` and ``commit`` (which prepares first) refuse an update that is not all there."""
         tensors = _tensors()
         m = _manifest(tensors, update_id="u1")
         plan = plan_buckets(m, bucket_bytes=300)
         ext = HotWeightsWorkerExtension()
-        ext.hotweights_begin(m.to_json())
+        _begin(ext, m)
         self._stage(ext, "u1", plan[0], tensors)
         missing = [e.name for b in plan[1:] for e in b.entries]
         with pytest.raises(ValueError, match=rf"update u1 is incomplete: {len(missing)} tensors never arrived") as info:
-            ext.hotweights_finish("u1")
+            getattr(ext, f"hotweights_{step}")("u1")
         for name in missing[:5]:
             assert repr(name) in str(info.value)
         for e in plan[0].entries:
@@ -704,15 +749,15 @@ class TestWorkerExtension:
         plan = plan_buckets(m1, bucket_bytes=16)
         assert len(plan) == 2
         ext = HotWeightsWorkerExtension()
-        ext.hotweights_begin(m1.to_json())
+        _begin(ext, m1)
         self._stage(ext, "u1", plan[0], tensors)
-        assert ext.hotweights_begin(m2.to_json()) == "u2"
+        assert ext.hotweights_begin(_options(m2))["update_id"] == "u2"
         with pytest.raises(RuntimeError, match=r"no open install session 'u1' on this worker \(open: 'u2'\)"):
             self._stage(ext, "u1", plan[1], tensors)
         assert ext.hotweights_abort("u1") is False
         assert self._stage(ext, "u2", plan[0], tensors) == 16  # not a "repeat": what u1 staged did not carry over
         assert self._stage(ext, "u2", plan[1], tensors) == 8
-        assert _core(ext.hotweights_finish("u2")) == (2, 24, 2)
+        assert _core(ext.hotweights_commit("u2")) == (2, 24, 2)
         assert [n for n, _ in recorder.calls[0][1]] == ["w", "v"]
         self._assert_closed(ext, "u1")
 
@@ -720,11 +765,11 @@ class TestWorkerExtension:
         tensors = {"w": torch.ones(4), "v": torch.full((2,), 3.0)}
         plan = plan_buckets(_manifest(tensors), bucket_bytes=16)
         ext = HotWeightsWorkerExtension()
-        ext.hotweights_begin(_manifest(tensors, update_id="u1").to_json())
+        _begin(ext, _manifest(tensors, update_id="u1"))
         self._stage(ext, "u1", plan[0], tensors)
-        ext.hotweights_begin(_manifest(tensors, update_id="u2").to_json())
+        _begin(ext, _manifest(tensors, update_id="u2"))
         with pytest.raises(ValueError, match=r"2 tensors never arrived: \['w', 'v'\]"):
-            ext.hotweights_finish("u2")
+            ext.hotweights_commit("u2")
         assert recorder.calls == []
 
     def test_abort(self, recorder: _Recorder) -> None:
@@ -734,12 +779,12 @@ class TestWorkerExtension:
         ext = HotWeightsWorkerExtension()
         assert ext.hotweights_abort() is False
         assert ext.hotweights_abort("u1") is False
-        ext.hotweights_begin(m.to_json())
+        _begin(ext, m)
         self._stage(ext, "u1", bucket, tensors)
         assert ext.hotweights_abort("other") is False  # another id leaves the session open
         assert ext.hotweights_abort("u1") is True
         self._assert_closed(ext, "u1")
-        ext.hotweights_begin(m.to_json())
+        _begin(ext, m)
         assert ext.hotweights_abort() is True  # no id: whatever is open
         assert ext.hotweights_abort() is False
         assert recorder.calls == []
@@ -747,7 +792,7 @@ class TestWorkerExtension:
     def test_sessions_are_per_instance(self) -> None:
         m = _manifest({"w": torch.ones(1)}, update_id="u1")
         a, b = HotWeightsWorkerExtension(), HotWeightsWorkerExtension()
-        a.hotweights_begin(m.to_json())
+        _begin(a, m)
         assert b.hotweights_abort("u1") is False
         assert a.hotweights_abort("u1") is True
 
@@ -790,18 +835,19 @@ class TestStreamingSession:
         self, stream: _RecordingStream, monkeypatch: pytest.MonkeyPatch
     ) -> None:
         recorder = _Recorder()
-        monkeypatch.setattr(worker_extension, "reload_checkpoint_tensors", recorder)
+        monkeypatch.setattr(worker_ops, "reload_checkpoint_tensors", recorder)
         tensors = _tensors()
         m = _manifest(tensors, update_id="u1")
         plan = plan_buckets(m, bucket_bytes=300)
         ext = HotWeightsWorkerExtension()
-        ext.hotweights_begin(m.to_json(), "streaming", "direct")
+        _begin(ext, m, commit="streaming", method="direct")
         assert stream.opened == [(ext, "direct")]  # type: ignore[attr-defined]
         for b in plan:
             TestWorkerExtension._stage(ext, "u1", b, tensors)
         assert stream.fed == [[e.name for e in b.entries] for b in plan]  # bucket by bucket, nothing kept aside
-        assert ext._hotweights.session is not None and ext._hotweights.session.staged == {}
-        result = ext.hotweights_finish("u1")
+        staging = session_of(ext).staging
+        assert staging.session is not None and staging.session.staged == {}
+        result = ext.hotweights_commit("u1")
         assert result["tied_layers_refreshed"] == 7 and result["tensors"] == len(tensors)
         assert stream.events == ["finish"]
         assert recorder.calls == []  # the staged path's reload never ran
@@ -812,10 +858,12 @@ class TestStreamingSession:
         m = _manifest(tensors, update_id="u1")
         first = plan_buckets(m, bucket_bytes=300)[0]
         ext = HotWeightsWorkerExtension()
-        ext.hotweights_begin(m.to_json(), "streaming")
+        _begin(ext, m, commit="streaming")
         TestWorkerExtension._stage(ext, "u1", first, tensors)
         with pytest.raises(ValueError, match="incomplete"):
-            ext.hotweights_finish("u1")
+            ext.hotweights_prepare("u1")
+        with pytest.raises(ValueError, match="incomplete"):
+            ext.hotweights_commit("u1")
         assert stream.events == []  # still open: the trainer aborts it
         assert ext.hotweights_abort("u1") is True
         assert stream.events == ["abort"]
@@ -823,11 +871,19 @@ class TestStreamingSession:
 
     def test_a_new_begin_aborts_an_open_stream(self, stream: _RecordingStream) -> None:
         ext = HotWeightsWorkerExtension()
-        ext.hotweights_begin(_manifest({"w": torch.ones(2)}, update_id="u1").to_json(), "streaming")
-        ext.hotweights_begin(_manifest({"w": torch.ones(2)}, update_id="u2").to_json())
+        _begin(ext, _manifest({"w": torch.ones(2)}, update_id="u1"), commit="streaming")
+        _begin(ext, _manifest({"w": torch.ones(2)}, update_id="u2"))
         assert stream.events == ["abort"]
 
     def test_unknown_commit_mode_is_refused(self) -> None:
         ext = HotWeightsWorkerExtension()
-        with pytest.raises(ValueError, match="unknown commit mode 'eventual'; use 'atomic' or 'streaming'"):
-            ext.hotweights_begin(_manifest({"w": torch.ones(2)}).to_json(), "eventual")
+        with pytest.raises(pydantic.ValidationError):  # the trainer's side cannot even build such options
+            SessionOptions(manifest=_manifest({"w": torch.ones(2)}).to_json(), commit="eventual")  # type: ignore[arg-type]
+        options = json.dumps({"manifest": _manifest({"w": torch.ones(2)}).to_json(), "commit": "eventual"})
+        with pytest.raises(
+            ValueError, match=r"malformed session options: 1 error\(s\): .*'commit'.*'atomic' or 'streaming'"
+        ) as info:
+            ext.hotweights_begin(options)
+        assert not isinstance(info.value, pydantic.ValidationError)  # a refusal, not a raw library error
+        assert "'eventual'" in str(info.value)
+        assert session_of(ext).staging.session is None

@@ -91,4 +91,5 @@ def test_module_is_pure_and_its_examples_run() -> None:
 def test_exported() -> None:
     assert hotweights.weight_version_of is weight_version_of
     assert hotweights.weight_versions_of is weight_versions_of
-    assert hotweights.WeightVersions is WeightVersions
+    assert "WeightVersions" in versions.__all__  # its home; not in hotweights.__all__
+    assert "WeightVersions" not in hotweights.__all__

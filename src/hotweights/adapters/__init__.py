@@ -1,1 +1,33 @@
-"""hotweights.adapters"""
+"""Install paths into a vLLM engine: one contract (:class:`WeightInstallAdapter`), one class per path.
+
+- :class:`VLLMInProcessWeightReloadAdapter`: an in-process ``LLM``, the install session called directly, tensors
+  handed over by reference; vLLM's layerwise reload by default, or ``install_method="auto"`` (what
+  ``hotweights.install`` uses) / ``"direct"``;
+- :class:`VLLMDirectSetterAdapter`: the same with ``install_method="direct"``: tensors copied straight into the
+  engine's parameters;
+- :class:`VLLMMultiprocessAdapter`: an engine started with ``hotweights.WORKER_EXTENSION``, buckets through a
+  transport (:mod:`hotweights.transports`);
+- :class:`VLLMWeightTransferAdapter`: the same over vLLM's weight-transfer API (the ``"hotweights"`` backend);
+- :class:`VLLMWeightsPathAdapter`: any other engine on this host, through a checkpoint directory it reloads.
+
+Every one but the weights-path adapter runs the install session (:mod:`hotweights.engine.session`); every adapter
+on an engine shares that engine's handle (the serving gate, the active version, the delta base).
+``hotweights.install`` picks one (``hotweights.adapter_for``); build one yourself to choose its options.
+"""
+
+from hotweights.adapters.base import PrefixCachePolicy, WeightInstallAdapter
+from hotweights.adapters.direct import VLLMDirectSetterAdapter
+from hotweights.adapters.inprocess import VLLMInProcessWeightReloadAdapter
+from hotweights.adapters.multiprocess import VLLMMultiprocessAdapter
+from hotweights.adapters.native import VLLMWeightTransferAdapter
+from hotweights.adapters.weights_path import VLLMWeightsPathAdapter
+
+__all__ = [
+    "PrefixCachePolicy",
+    "VLLMDirectSetterAdapter",
+    "VLLMInProcessWeightReloadAdapter",
+    "VLLMMultiprocessAdapter",
+    "VLLMWeightTransferAdapter",
+    "VLLMWeightsPathAdapter",
+    "WeightInstallAdapter",
+]

@@ -1,39 +1,95 @@
-"""What every adapter bound to a vLLM engine shares: expected weights, the serving gate, prefix-cache reset,
-version record and recovery; and, for adapters that move buckets through a transport, the bucket loop."""
+"""What every adapter bound to a vLLM engine shares: the engine's handle (expected weights, the serving gate, the
+version and the delta base), prefix-cache reset, version record and recovery; and, for the adapters that run the
+install session (:mod:`hotweights.engine.session`), the session itself: options, bucket loop, commit."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from typing import Any
+import json
+import time
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any, Literal, TypedDict
 
-import torch
-
+from hotweights.adapters._wires import InProcessWire, Wire
 from hotweights.adapters.base import Items, PrefixCachePolicy, WeightInstallAdapter
 from hotweights.core.buckets import Bucket, default_bucket_bytes, plan_buckets
-from hotweights.core.errors import EngineSleepingError, engine_refusal
+from hotweights.core.cast import item_names, lazy_mapping
+from hotweights.core.delta import EncodedDelta, StagedDelta
+from hotweights.core.errors import (
+    DeltaBaseMismatchError,
+    EngineNotSupportedError,
+    EngineSleepingError,
+    InstallError,
+    engine_refusal,
+)
 from hotweights.core.manifest import ExpectedWeights, WeightUpdateManifest
 from hotweights.core.report import PhaseTimer
+from hotweights.engine.session import SessionOptions, refusal
 from hotweights.handles import EngineHandle, as_engine
-from hotweights.telemetry import bucket_progress, logger
+from hotweights.telemetry import best_effort, bucket_progress, logger
 from hotweights.transports import Descriptor, WeightTransport, make_transport
 
-__all__ = ["VLLMEngineAdapter", "VLLMTransportAdapter"]
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
+__all__ = [
+    "CommitMode",
+    "EngineOptions",
+    "InstallMethod",
+    "SessionAdapterOptions",
+    "VLLMEngineAdapter",
+    "VLLMSessionAdapter",
+]
+
+InstallMethod = Literal["auto", "direct", "reload"]
+"""How the workers install: ``auto`` (the direct setter where its plan proves it safe, else vLLM's layerwise
+reload), ``direct`` or ``reload``."""
+CommitMode = Literal["atomic", "streaming"]
+"""``atomic``: stage everything, then install (nothing written until then). ``streaming``: install bucket by
+bucket (memory bounded by the bucket; a failed transfer leaves a partial update and the engine fails closed)."""
+
+
+class EngineOptions(TypedDict, total=False):
+    """What every adapter bound to an engine takes (defaults in :class:`VLLMEngineAdapter`)."""
+
+    expected: ExpectedWeights | None
+    prefix_cache: PrefixCachePolicy
+    lock_timeout: float | None
+    guard_generation: bool
+
+
+class SessionAdapterOptions(EngineOptions, total=False):
+    """What the adapters that run the install session take besides their transport (defaults in
+    :class:`VLLMSessionAdapter`)."""
+
+    bucket_bytes: int | None
+    install_method: InstallMethod
+    commit: CommitMode
+    rpc_timeout: float | None
+    verify: bool
 
 
 class VLLMEngineAdapter(WeightInstallAdapter):
     """Base of the adapters that install into a vLLM engine: a ``vllm.LLM``, an ``AsyncLLM``, or any
-    :class:`~hotweights.handles.EngineHandle`. What differs between engine kinds goes through ``self.engine``."""
+    :class:`~hotweights.handles.EngineHandle`. What differs between engine kinds goes through ``self.engine``.
+
+    Args:
+        engine: the engine, or its handle (created once per engine and shared by every adapter on it).
+        expected: what the engine accepts; by default read from the checkpoint the engine was started from.
+        prefix_cache, lock_timeout: see :class:`WeightInstallAdapter`.
+        guard_generation: keep generation calls off the weights while an install writes (the install waits for
+            running calls; new ones wait for the install).
+    """
 
     def __init__(
         self,
-        llm: Any,
+        engine: Any,
         *,
-        expected: ExpectedWeights | None,
-        prefix_cache: PrefixCachePolicy,
-        lock_timeout: float | None,
-        guard_generation: bool,
+        expected: ExpectedWeights | None = None,
+        prefix_cache: PrefixCachePolicy = "reset",
+        lock_timeout: float | None = 600.0,
+        guard_generation: bool = True,
     ) -> None:
-        self.engine: EngineHandle = as_engine(llm)
+        self.engine: EngineHandle = as_engine(engine)
         if expected is None:
             expected = self.engine.expected_weights()
             if expected is None:  # never skipped silently
@@ -50,8 +106,9 @@ class VLLMEngineAdapter(WeightInstallAdapter):
             lock_timeout=lock_timeout,
             gate=self.engine.gate if guard_generation else None,
             version=self.engine.active_version,
+            delta_state=self.engine.delta_state,
         )
-        self.llm = llm
+        self.llm = engine
         """The engine object this adapter was given."""
 
     def _validate(
@@ -84,85 +141,269 @@ class VLLMEngineAdapter(WeightInstallAdapter):
             return "the prefix cache was reset (the KV cache cannot be reached from here)"
         return f"the prefix cache was reset and {zeroed} KV-cache tensors zeroed"
 
-    @staticmethod
-    def _digests(manifest: WeightUpdateManifest) -> dict[str, int]:
-        return {"digests_verified": sum(s.digest is not None for s in manifest.tensors.values())}
+    def _engine_version_now(self) -> str | None:
+        return self.engine.get_weight_version()
 
 
-class VLLMTransportAdapter(VLLMEngineAdapter):
-    """Base of the adapters that move buckets through a :class:`WeightTransport` to a multiprocess engine.
+class VLLMSessionAdapter(VLLMEngineAdapter):
+    """Base of the adapters that run the install session: a configuration of the engine's handle, a wire
+    (:mod:`hotweights.adapters._wires`: how the session's calls reach the workers), a transport (how the bytes
+    travel; None: by reference, in-process) and the session's options (method, commit, verify).
 
     It is also the :class:`~hotweights.transports.EngineLink` its transport connects through.
     """
 
-    verifies_digests_locally = False  # the engine side verifies after transit
+    verifies_readback = True
 
     def __init__(
         self,
-        llm: Any,
+        engine: Any,
         *,
-        transport: str | WeightTransport,
-        bucket_bytes: int | None,
-        rpc_timeout: float | None,
-        **common: Any,
+        wire: Callable[[EngineHandle, float | None], Wire],
+        transport: str | WeightTransport | None,
+        bucket_bytes: int | None = None,
+        install_method: InstallMethod = "auto",
+        commit: CommitMode = "atomic",
+        rpc_timeout: float | None = 300.0,
+        verify: bool = False,
+        **common: Unpack[EngineOptions],
     ) -> None:
+        if install_method not in ("auto", "reload", "direct"):
+            raise ValueError(f"install_method must be 'auto', 'reload' or 'direct', not {install_method!r}")
+        if commit not in ("atomic", "streaming"):
+            raise ValueError(f"commit must be 'atomic' or 'streaming', not {commit!r}")
+        if verify and commit == "streaming":
+            raise ValueError("verify=True needs commit='atomic': a streaming install keeps no copy of what it wrote")
         if bucket_bytes is not None and bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes must be positive (or None for the default), got {bucket_bytes}")
-        super().__init__(llm, **common)
-        self.transport = make_transport(transport) if isinstance(transport, str) else transport
+        super().__init__(engine, **common)
+        self.install_method: InstallMethod = install_method
+        self.commit: CommitMode = commit
+        self.verify = verify
+        self.wire = wire(self.engine, rpc_timeout)
         self.bucket_bytes = bucket_bytes
-        self.rpc_timeout = rpc_timeout
-        self.transport.connect(self)
+        self.transport = make_transport(transport) if isinstance(transport, str) else transport
+        if self.transport is not None:
+            self.transport.connect(self)
+
+    @property
+    def rpc_timeout(self) -> float | None:
+        """Seconds each call into the workers may take before :class:`~hotweights.HotWeightsTimeoutError`."""
+        return self.wire.timeout
 
     @property
     def label(self) -> str:
-        return f"{self.name}-{self.transport.name}"
+        method = "" if self.install_method in ("auto", "reload") else f"-{self.install_method}"
+        commit = "" if self.commit == "atomic" else f"-{self.commit}"
+        via = f"-{self.transport.name}" if self.transport is not None else ""
+        return f"{self.name}{via}{method}{commit}"
 
     @property
     def bucket_size(self) -> int:
         """Bytes per bucket: ``bucket_bytes``, or the transport's preferred size capped by free memory."""
+        assert self.transport is not None
         return self.bucket_bytes or default_bucket_bytes(self.transport.preferred_bucket_bytes)
 
+    # ------------------------------------------------------------------ EngineLink (for the transport)
     @property
     def num_workers(self) -> int:
         return self.engine.num_workers
 
-    def call(self, method: str, *args: Any) -> list[Any]:
-        """EngineLink: the worker method ``method`` on every worker; a manifest a worker refused comes back as
-        :class:`WeightManifestValidationError` (nothing was written)."""
+    @property
+    def releases_buckets_after_stage(self) -> bool:
+        """The workers keep no view of a bucket once its ``stage`` returned (a streaming direct install copies out
+        the few parts that wait for the next bucket), so a transport may reuse one buffer."""
+        return self.commit == "streaming" and self.install_method == "direct"
+
+    def engine_op(self, op: str, **args: Any) -> list[Any]:
+        return self.wire.engine_op(op, **args)
+
+    # ------------------------------------------------------------------ the session
+    def _options(self, manifest: str = "", **more: Any) -> SessionOptions:
+        return SessionOptions(
+            manifest=manifest, method=self.install_method, commit=self.commit, verify=self._verify_now, **more
+        )
+
+    def _install(self, manifest: WeightUpdateManifest, items: Items, timer: PhaseTimer) -> dict[str, Any]:
+        if self._verify_now and self.commit == "streaming":
+            raise ValueError("verify=True needs commit='atomic': a streaming install keeps no copy of what it wrote")
+        keep = self._delta.tracking and self._keeps_base_on_workers
+        if self.transport is None:  # in-process: manifest and tensors by reference
+            sent = self._sent_manifest(manifest, item_names(items))
+            return self._session(sent, self._options(keep_base=keep), (sent, items, None), timer)
+        tensors = lazy_mapping(items)
+        sent = self._sent_manifest(manifest, tensors)
+        return self._session(sent, self._options(sent.to_json(), keep_base=keep), tensors, timer)
+
+    def _install_delta(
+        self, manifest: WeightUpdateManifest, delta: EncodedDelta, staged: StagedDelta, timer: PhaseTimer
+    ) -> dict[str, Any]:
+        dm = delta.manifest
+        wire = dm.wire_manifest(delta.wire if manifest.has_digests else None)
+        options = SessionOptions(
+            manifest=wire.to_json() if wire is not None and self.transport is not None else "",
+            delta=dm.to_json(),
+            method=self.install_method,
+            keep_base=self._keeps_base_on_workers,
+        )
         try:
-            return self.engine.call(method, *args, timeout=self.rpc_timeout)
-        except Exception as exc:
-            refusal = engine_refusal(exc)
-            if refusal is None:
-                raise
-            raise refusal from exc
+            if self.transport is None:
+                return self._session(wire, options, (wire, list(delta.wire.items()), self._delta.base), timer)
+            return self._session(wire, options, delta.wire, timer)
+        except DeltaBaseMismatchError as exc:
+            self._delta.base = None  # the next install sends everything
+            raise DeltaBaseMismatchError(dm.weight_version, dm.base_version, exc.serving) from exc
 
-    @staticmethod
-    def _sent_manifest(manifest: WeightUpdateManifest, tensors: Mapping[str, torch.Tensor]) -> WeightUpdateManifest:
-        """The manifest of what is actually sent (tensors the engine ignores are left out)."""
-        return manifest.model_copy(update={"tensors": {n: manifest.tensors[n] for n in tensors}})
+    @property
+    def _keeps_base_on_workers(self) -> bool:
+        """Whether the workers keep their own copy for deltas (in-process, the trainer's copy is lent instead)."""
+        return self.transport is not None
 
-    def _send_buckets(
-        self,
-        manifest: WeightUpdateManifest,
-        tensors: Mapping[str, torch.Tensor],
-        timer: PhaseTimer,
-        stage: Callable[[Bucket, Descriptor], None],
-        *,
-        whole_layers: bool = False,
-        plan: list[Bucket] | None = None,
+    def _session(
+        self, sent: WeightUpdateManifest | None, options: SessionOptions, payload: Any, timer: PhaseTimer
+    ) -> dict[str, Any]:
+        """Run one session: begin, every bucket through the transport, prepare (several workers), commit; abort on
+        any failure. ``sent`` describes what crosses (None: a delta that changes nothing)."""
+        streaming = options.commit == "streaming" and options.delta is None
+        plan = (
+            plan_buckets(sent, self.bucket_size, whole_layers=streaming)
+            if sent is not None and self.transport is not None
+            else []
+        )
+        update_id = sent.update_id if sent is not None else _delta_id(options)
+        try:
+            if isinstance(self.wire, InProcessWire):  # by reference: begin, stage and prepare in one plain call
+                with timer("begin"):
+                    self.wire.open(options, payload)
+                self._begin_writing(timer)
+                with timer("install"):
+                    summaries = self.wire.commit(update_id)
+            elif self.wire.one_call and len(plan) <= 1 and not streaming:
+                summaries = self._one_call(options, payload, plan, timer, sent)
+            else:
+                with timer("begin"):  # the workers check the manifest and plan the method: refused before any byte
+                    answers = self.wire.begin(options)
+                refused = [str(a.get("serving")) for a in answers if not a.get("ok")]
+                if refused:
+                    raise DeltaBaseMismatchError(-1, -1, refused[0])
+                if sent is not None:
+                    self._send(sent, payload, plan, timer, streaming)
+                if self.num_workers > 1:  # every worker ready before any writes
+                    with timer("prepare"):
+                        found = [p for worker in self.wire.prepare(update_id) for p in worker]
+                    if found:
+                        raise refusal(found)
+                self._begin_writing(timer)
+                with timer("install"):
+                    summaries = self.wire.commit(update_id)
+        except BaseException:
+            with best_effort("abort the workers' install session"):
+                self.wire.abort(update_id)
+            raise
+        readback = max((float(s.get("readback_seconds", 0.0)) for s in summaries if isinstance(s, dict)), default=0)
+        if readback:  # the workers' read-back, inside the install call: its own phase in the report
+            timer.phases["install"] = max(0.0, timer.phases.get("install", 0.0) - readback)
+            timer.add("verify", readback)
+        return self._summary(summaries, sent)
+
+    def _send(
+        self, sent: WeightUpdateManifest, tensors: Any, plan: list[Bucket], timer: PhaseTimer, streaming: bool
     ) -> None:
-        """Every bucket of ``manifest`` (cut as ``plan``, by default by :func:`plan_buckets`) through the transport;
-        ``stage(bucket, descriptor)`` hands one over."""
-        plan = plan if plan is not None else plan_buckets(manifest, self.bucket_size, whole_layers=whole_layers)
-        with timer("transfer"), bucket_progress(plan, f"{self.label} v{manifest.weight_version}") as buckets:
+        """Every bucket of ``plan`` through the transport, each staged by every worker."""
+        assert self.transport is not None
+        with timer("transfer"), bucket_progress(plan, f"{self.label} v{sent.weight_version}") as buckets:
             for bucket in buckets:
 
                 def deliver(descriptor: Descriptor, bucket: Bucket = bucket) -> None:
-                    stage(bucket, descriptor)
+                    if streaming:
+                        self._begin_writing(timer)  # this bucket goes into the live model
+                    self.wire.stage(sent.update_id, bucket.model_dump_json(), descriptor)
 
                 self.transport.send(bucket, tensors, deliver)
 
+    def _one_call(
+        self,
+        options: SessionOptions,
+        payload: Any,
+        plan: list[Bucket],
+        timer: PhaseTimer,
+        sent: WeightUpdateManifest | None,
+    ) -> list[dict[str, Any]]:
+        """The whole session in one call: in-process, or a one-bucket update into one worker (once the trainer
+        wrote the bucket). The ``transfer`` phase is the trainer's write."""
+        summaries: list[dict[str, Any]] = []
+
+        def run(call_payload: Any) -> None:
+            self._begin_writing(timer)  # the gate is held before the worker may write
+            with timer("install"):
+                try:
+                    summaries[:] = self.wire.install(options, call_payload)
+                except EngineNotSupportedError:
+                    self._untouched()  # refused by the engine handle before the call left this process
+                    raise
+            refused = [str(s["refused"]) for s in summaries if "refused" in s]
+            if refused:  # raised here, so a transport waiting on the worker stops at once
+                self._untouched()  # the worker refused it before installing: nothing to recover
+                kind, _, why = refused[0].partition(": ")
+                if kind == "DeltaBaseMismatchError" and why.startswith("serving "):
+                    raise DeltaBaseMismatchError(-1, -1, why.removeprefix("serving "))
+                if kind == "EngineNotSupportedError":  # e.g. a forced direct install into a model it cannot prove
+                    raise EngineNotSupportedError(why)
+                raise engine_refusal(refused[0]) or InstallError(
+                    f"the engine's worker refused update {options_update_id(options, sent)} before installing it: "
+                    f"{refused[0]}. Nothing was written; fix the cause and install again."
+                )
+
+        if not plan:
+            run(payload)
+            return summaries
+        assert self.transport is not None and sent is not None
+        start = time.perf_counter()
+
+        def deliver(descriptor: Descriptor) -> None:
+            timer.add("transfer", time.perf_counter() - start)
+            run((plan[0].model_dump_json(), descriptor))
+
+        self.transport.send(plan[0], payload, deliver)
+        return summaries
+
+    def _summary(self, summaries: list[dict[str, Any]], sent: WeightUpdateManifest | None) -> dict[str, Any]:
+        """The workers' summaries as one (they serve one model, so they agree on the method)."""
+        if summaries and all(s for s in summaries):
+            methods = sorted({str(s.get("install_method", self.install_method)) for s in summaries})
+            reasons = sorted({str(s.get("install_reason", "")) for s in summaries})
+            self._ran(methods[0] if len(methods) == 1 else "mixed", " | ".join(reasons))
+        if not summaries:
+            return {}
+        return {
+            "digests_verified": min(int(s.get("digests_verified", 0)) for s in summaries),
+            "readback_verified": min(int(s.get("readback_verified", 0)) for s in summaries),
+            "readback_unreadable": max(int(s.get("readback_unreadable", 0)) for s in summaries),
+            **next(({"readback_note": s["readback_note"]} for s in summaries if s.get("readback_note")), {}),
+        }
+
+    @staticmethod
+    def _sent_manifest(manifest: WeightUpdateManifest, tensors: Iterable[str]) -> WeightUpdateManifest:
+        """The manifest of what is actually sent (tensors the engine ignores are left out)."""
+        if len(manifest.tensors) == len(names := list(tensors)):
+            return manifest
+        return manifest.model_copy(update={"tensors": {n: manifest.tensors[n] for n in names}})
+
+    def forget_delta_base(self) -> None:
+        super().forget_delta_base()
+        if self._keeps_base_on_workers:
+            with best_effort("stop the workers' delta copies"):
+                self.wire.engine_op("forget_base")
+
     def close(self) -> None:
-        self.transport.close()
+        if self.transport is not None:
+            self.transport.close()
+
+
+def _delta_id(options: SessionOptions) -> str:
+    return str(json.loads(options.delta or "{}").get("update_id", ""))
+
+
+def options_update_id(options: SessionOptions, sent: WeightUpdateManifest | None) -> str:
+    """The update's id, for messages."""
+    return sent.update_id if sent is not None else _delta_id(options)

@@ -19,7 +19,7 @@ import torch
 
 from hotweights.core.active import ActiveVersion
 from hotweights.core.cast import Cast, CastItems, cast_targets, item_names
-from hotweights.core.delta import DeltaBase, EncodedDelta, StagedDelta
+from hotweights.core.delta import DeltaBase, DeltaState, EncodedDelta, StagedDelta
 from hotweights.core.errors import (
     DeltaBaseMismatchError,
     EngineNotSupportedError,
@@ -81,6 +81,7 @@ class WeightInstallAdapter(ABC):
         lock_timeout: float | None = 600.0,
         gate: WriteGate | None = None,
         version: ActiveVersion | None = None,
+        delta_state: DeltaState | None = None,
     ) -> None:
         if prefix_cache not in ("reset", "keep"):
             raise ValueError(f"prefix_cache must be 'reset' or 'keep', not {prefix_cache!r}")
@@ -94,12 +95,9 @@ class WeightInstallAdapter(ABC):
         self.gate = gate
         """Held alone from the first write to the prefix-cache reset, so no generation call sees a mix."""
         self._writing = ExitStack()
-        self._delta_base: DeltaBase | None = None
-        """Host copy of the weights this adapter last installed, kept once ``install(..., delta=True)`` was asked
-        for (see :mod:`hotweights.core.delta`); None: the next delta install sends everything."""
-        self._delta_tracking = False
-        """Keep the host copy current on every install (set by the first ``delta=True`` install)."""
-        self._delta_engine_version: str | None = None
+        self._delta = delta_state if delta_state is not None else DeltaState()
+        """The host copy deltas are computed against (see :mod:`hotweights.core.delta`): the engine's handle holds
+        it for adapters bound to an engine, so every adapter on it shares one."""
         self._path: tuple[str, str] | None = None  # set by _ran() during an install, read into its report
         self._verify_now = False  # install(verify=...) of the install in progress
         self._verify_strict = False  # ... and whether it was verify="strict"
@@ -141,10 +139,11 @@ class WeightInstallAdapter(ABC):
                 fails closed. Raises ``ValueError`` (nothing written) where the adapter cannot read back. A read-back
                 that could compare nothing is logged as a warning and named in ``report.readback_note``;
                 ``"strict"`` makes any tensor that could not be read back an :class:`InstallError` (fail closed).
-            delta: send only what changed since the version this adapter last installed (see
-                :mod:`hotweights.core.delta`); the first such install sends everything and keeps a host copy to
-                diff against (``report.delta == "full"``). Raises :class:`DeltaBaseMismatchError` when the engine
-                serves another version than that copy.
+            delta: send only what changed since the version last installed into this engine through hotweights
+                (see :mod:`hotweights.core.delta`; the copy diffed against lives with the engine's handle, shared by
+                every adapter on it); the first such install sends everything and keeps that copy
+                (``report.delta == "full"``). Raises :class:`DeltaBaseMismatchError` when the engine serves another
+                version than that copy.
             cast: a floating-point dtype (e.g. ``torch.bfloat16``) or ``"engine"`` (the dtype the engine expects for
                 each tensor): floating-point tensors of another dtype are cast as they are sent, bucket by bucket
                 (never a second copy of the update); ``report.cast_tensors`` counts them. ``manifest`` describes
@@ -187,8 +186,8 @@ class WeightInstallAdapter(ABC):
             refusal = self._delta_refusal() if delta else None
             if refusal is not None:
                 raise EngineNotSupportedError(f"{refusal}; nothing was written. Install with delta=False.")
-        encoded = self._encode_delta(manifest, send, timer) if delta and self._delta_base is not None else None
-        self._delta_tracking = self._delta_tracking or delta  # from the first delta install on, keep a copy
+        encoded = self._encode_delta(manifest, send, timer) if delta and self._delta.base is not None else None
+        self._delta.tracking = self._delta.tracking or delta  # from the first delta install on, keep a copy
         self._may_have_written = False
         with ExitStack() as self._writing:  # holds the gate from the first write until the cache is reset
             return self._commit(manifest, send, skipped, timer, encoded, delta)
@@ -208,12 +207,13 @@ class WeightInstallAdapter(ABC):
         self, manifest: WeightUpdateManifest, send: Items, timer: PhaseTimer
     ) -> tuple[EncodedDelta, StagedDelta]:
         """The delta from the host copy to ``send``, and the same delta staged on the copy (nothing written yet)."""
-        base = self._delta_base
+        base = self._delta.base
         assert base is not None
         now = self._engine_version_now()
-        if now is not None and self._delta_engine_version is not None and now != self._delta_engine_version:
-            self._delta_base = None  # someone else installed: the next install sends everything
-            raise DeltaBaseMismatchError(manifest.weight_version, base.version, f"version {now!r}")
+        if now is not None and self._delta.engine_version is not None and now != self._delta.engine_version:
+            self._delta.base = None  # someone else installed: the next install sends everything
+            serving = f"v{now}" if now.isdecimal() else f"version {now!r}"
+            raise DeltaBaseMismatchError(manifest.weight_version, base.version, serving)
         with timer("delta_encode"):
             encoded = base.encode(
                 send, weight_version=manifest.weight_version, update_id=manifest.update_id, digests=manifest.has_digests
@@ -250,7 +250,7 @@ class WeightInstallAdapter(ABC):
             self._check_strict_readback(summary)
         except BaseException as exc:
             if self._may_have_written:  # the engine may hold anything: the next delta install sends everything
-                self._delta_base = None
+                self._delta.base = None
             if not isinstance(exc, Exception):  # KeyboardInterrupt & co.: recover if needed, keep the interrupt
                 if self._may_have_written:
                     with best_effort("recover after an interrupted write"):
@@ -277,10 +277,10 @@ class WeightInstallAdapter(ABC):
         path, self._path = self._path, None
         previous = self.active_weight_version
         nbytes = sum(manifest.tensors[n].expected_nbytes for n in item_names(send))
-        if delta is not None and self._delta_base is not None:
-            self._delta_base.commit(delta[1])
-        elif self._delta_tracking:
-            self._delta_base = DeltaBase.capture(send, manifest.weight_version)
+        if delta is not None and self._delta.base is not None:
+            self._delta.base.commit(delta[1])
+        elif self._delta.tracking:
+            self._delta.base = DeltaBase.capture(send, manifest.weight_version)
         # The new weights are in: from here on the engine serves them, whatever happens next.
         self.reopen_serving()  # a complete install heals a failed one
         self.active_weight_version = manifest.weight_version
@@ -292,7 +292,7 @@ class WeightInstallAdapter(ABC):
                     reset = self._reset_prefix_cache()
             with timer("record_version"):
                 engine_version = self._record_engine_version(str(manifest.weight_version))
-            self._delta_engine_version = engine_version
+            self._delta.engine_version = engine_version
         except Exception as exc:
             raise InstallError(
                 f"v{manifest.weight_version} was installed, but the follow-up step failed: {type(exc).__name__}: "
@@ -394,8 +394,8 @@ class WeightInstallAdapter(ABC):
         if wanted and not self.verifies_readback:
             raise ValueError(
                 f"the {self.label} adapter cannot read the engine's parameters back, so verify=True is refused; "
-                "nothing was written. Read-back needs the worker extension (VLLMMultiprocessAdapter, what "
-                "hotweights.install picks on an extension engine) or VLLMDirectSetterAdapter on an in-process engine."
+                "nothing was written. Read-back needs the install session in the engine: an in-process engine, or one "
+                "started with the worker extension (what hotweights.install picks there)."
             )
         return wanted
 
@@ -423,8 +423,7 @@ class WeightInstallAdapter(ABC):
     def forget_delta_base(self) -> None:
         """Drop the host copy kept for delta installs (frees the model's size in host memory); the next
         ``delta=True`` install sends everything again."""
-        self._delta_base = None
-        self._delta_tracking = False
+        self._delta.forget()
 
     def _recover(self) -> str:
         """After a failure that may have touched live weights: make stale or poisoned KV state unservable.

@@ -1,4 +1,7 @@
-"""Install into any multiprocess engine through vLLM's own worker method: no extension, no backend, no flags."""
+"""Install into any multiprocess engine through vLLM's own worker method: no extension, no backend, no flags.
+
+The one path without the install session: vLLM's ``reload_weights(weights_path=...)`` is its only step, so the
+trainer alone validates, and the engine checks no digests."""
 
 from __future__ import annotations
 
@@ -8,18 +11,21 @@ import shutil
 import struct
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from hotweights.adapters._vllm import VLLMEngineAdapter
-from hotweights.adapters.base import Items, PrefixCachePolicy
+from hotweights.adapters._vllm import EngineOptions, VLLMEngineAdapter
+from hotweights.adapters.base import Items
 from hotweights.core.cast import CastItems
 from hotweights.core.errors import EngineNotSupportedError
-from hotweights.core.manifest import _ST_DTYPES, ExpectedWeights, WeightUpdateManifest, dtype_from_str
+from hotweights.core.manifest import _ST_DTYPES, WeightUpdateManifest, dtype_from_str
 from hotweights.core.report import PhaseTimer
 from hotweights.engine import compat
 from hotweights.transports.shm import SHM_DIR, sweep_stale
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 __all__ = ["VLLMWeightsPathAdapter"]
 
@@ -43,7 +49,7 @@ class VLLMWeightsPathAdapter(VLLMEngineAdapter):
     ``reload_weights()`` without arguments would not find it (hotweights always passes its own).
 
     Args:
-        llm: a multiprocess ``vllm.LLM``, an ``AsyncLLM``, or an engine handle whose workers can read this host's
+        engine: a multiprocess ``vllm.LLM``, an ``AsyncLLM``, or an engine handle whose workers can read this host's
             ``/dev/shm``.
         rpc_timeout: seconds the reload may take before :class:`HotWeightsTimeoutError`.
         expected, prefix_cache, lock_timeout, guard_generation: see :class:`VLLMMultiprocessAdapter`.
@@ -55,23 +61,8 @@ class VLLMWeightsPathAdapter(VLLMEngineAdapter):
 
     name = "weights-path"
 
-    def __init__(
-        self,
-        llm: Any,
-        *,
-        expected: ExpectedWeights | None = None,
-        prefix_cache: PrefixCachePolicy = "reset",
-        rpc_timeout: float | None = 300.0,
-        lock_timeout: float | None = 600.0,
-        guard_generation: bool = True,
-    ) -> None:
-        super().__init__(
-            llm,
-            expected=expected,
-            prefix_cache=prefix_cache,
-            lock_timeout=lock_timeout,
-            guard_generation=guard_generation,
-        )
+    def __init__(self, engine: Any, *, rpc_timeout: float | None = 300.0, **options: Unpack[EngineOptions]) -> None:
+        super().__init__(engine, **options)
         self.rpc_timeout = rpc_timeout
         sweep_stale(min_age=60.0)  # checkpoint directories of trainers that died mid-install
 
@@ -90,7 +81,7 @@ class VLLMWeightsPathAdapter(VLLMEngineAdapter):
                 )
         finally:
             shutil.rmtree(directory, ignore_errors=True)
-        return self._digests(manifest)
+        return {}  # the engine's reload checks no digests (the trainer checked them before writing the file)
 
     def _refuse_unmended(self) -> None:
         """vLLM's own reload needs mending for some models (:data:`~hotweights.engine.compat.VLLM_FIXES`); the

@@ -15,7 +15,9 @@ On the wire a delta is plain tensors, named ``<name>:indices`` and ``<name>:valu
 described by a :class:`DeltaManifest` (JSON, no pickle): the buckets and transports of full installs carry it as
 they are.
 
-Both ends keep a :class:`DeltaBase`, a host copy of the weights last installed. :meth:`DeltaBase.apply` checks a
+Both ends keep a :class:`DeltaBase`, a host copy of the weights last installed: the trainer one per engine
+(:class:`DeltaState`, on the engine's handle, shared by every adapter on it), every worker of a multiprocess engine
+one more; an in-process worker is lent the trainer's. :meth:`DeltaBase.apply` checks a
 delta completely (:func:`delta_problems`) before it builds anything, then builds the new tensors aside (the base
 is never written in place) and lists what to reinstall: every tensor of each transformer block that changed
 (:func:`~hotweights.core.buckets.layer_key`), because an engine rebuilds fused parameters (q/k/v, gate/up) from
@@ -51,6 +53,7 @@ __all__ = [
     "DeltaBase",
     "DeltaEntry",
     "DeltaManifest",
+    "DeltaState",
     "EncodedDelta",
     "StagedDelta",
     "delta_problems",
@@ -502,3 +505,24 @@ class DeltaBase:
         tensors handed to an engine by reference stay as they were."""
         self.tensors.update(staged.changed)
         self.version = staged.version
+
+
+class DeltaState:
+    """What the trainer keeps for delta installs into one engine, shared by every adapter on it (it lives on the
+    engine's handle): the base, whether every install keeps it current, and the engine's version when it was taken.
+
+    Once a ``delta=True`` install asked for it (``tracking``), every install into the engine, whichever adapter
+    made it, keeps ``base`` as what the engine serves; a failed write or an install by someone else drops it.
+    """
+
+    def __init__(self) -> None:
+        self.base: DeltaBase | None = None
+        """Host copy of what the engine serves (None: the next delta install sends everything)."""
+        self.tracking = False
+        """Keep ``base`` current on every install (set by the first ``delta=True`` install)."""
+        self.engine_version: str | None = None
+        """The version the engine reported right after ``base`` was taken."""
+
+    def forget(self) -> None:
+        """Drop the base and stop tracking."""
+        self.base, self.tracking, self.engine_version = None, False, None

@@ -39,7 +39,9 @@ class InstallReport(BaseModel):
     engine_weight_version: str | None = None
     """The version recorded in the engine itself, where vLLM keeps one."""
     digests_verified: int = 0
-    """Tensors whose digest was checked against the manifest (after transit, for multiprocess engines)."""
+    """Tensors whose digest the engine checked after transit (0 where nothing crossed a process boundary: in-process,
+    tensors by reference; and on the zero-config path, whose reload checks none; the trainer checks the manifest's
+    digests locally before writing on those paths)."""
     install_method: str | None = None
     """How the engine's workers wrote the weights, where the adapter chooses: ``"direct"`` (the direct setter) or
     ``"reload"`` (vLLM's layerwise reload); None where the adapter has one way only and does not say."""

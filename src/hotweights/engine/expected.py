@@ -1,8 +1,9 @@
 """What a running engine expects to receive: the checkpoint-format tensor specs it was started from.
 
-Read on the trainer's side (:func:`expected_weights`, before anything moves) and again by every worker of an
-engine with hotweights' worker extension or backend (:func:`check_manifest`, at ``begin``: the worker holds the
-facts, so an engine started from a Hub id, or one a remote caller reaches, is validated too). Both read the same
+Read on the trainer's side (:func:`expected_weights`, before anything moves) and again by every worker that runs
+the install session (in-process, with hotweights' worker extension or with its backend: :func:`check_manifest`, at
+``begin``; the worker holds the facts, so an engine started from a Hub id, or one a remote caller reaches, is
+validated too). Both read the same
 files: the model directory, or for a Hub id the snapshot vLLM downloaded into the local Hugging Face cache (looked
 up offline, never downloaded).
 """

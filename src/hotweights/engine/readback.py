@@ -10,11 +10,14 @@ cannot rebuild exactly (tensor or expert parallel, padded intermediate size, ano
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-__all__ = ["verify_experts"]
+if TYPE_CHECKING:
+    from hotweights.engine.staging import InstallSession
+
+__all__ = ["readback", "verify_experts"]
 
 #: Per-expert checkpoint leaves: (gate, up, down).
 _LEAVES = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))
@@ -83,3 +86,36 @@ def _packer(layer: Any) -> tuple[Any, str]:
     from vllm import _custom_ops as ops
 
     return (lambda w: ops.cpu_prepack_moe_weight(w, isa)), ""
+
+
+def readback(model: torch.nn.Module, session: InstallSession, items: Any) -> dict[str, int | str]:
+    """Compare the live parameters with what ``items`` (the session's staged tensors) put there; raise naming every
+    tensor that differs. The direct setter's plan knows each fused slice: a reload install is checked with it when
+    the model passes the setter's safety rule (its post-processing then leaves data-holding parameters as loaded).
+    Fused-MoE experts are checked in the kernel's own layout (:func:`verify_experts`) on every model. What neither
+    covers is counted unreadable, and ``readback_note`` says why."""
+    from hotweights.core.cast import lazy_mapping
+    from hotweights.engine.direct import direct_refusals, model_slots, plan_direct, verify_readback
+
+    tensors = lazy_mapping(items)
+    experts_equal, experts_bad, note = verify_experts(model, tensors)
+    plan = session.direct_plan
+    refusals = direct_refusals(model) if plan is None else ()
+    if plan is None and not refusals:
+        plan = plan_direct(model_slots(model), session.manifest.tensors)
+    if plan is not None:
+        verified, unreadable, bad = verify_readback(model, plan, tensors)
+        bad = sorted(set(bad) | experts_bad)
+    else:
+        verified, bad = len(experts_equal), sorted(experts_bad)
+        unreadable = len(tensors) - verified - len(bad)
+        note = note or refusals[0]
+    if bad:
+        raise ValueError(
+            f"readback after the install: {len(bad)} tensor(s) in the live parameters differ from what the trainer "
+            f"sent: {bad[:5]}"
+        )
+    summary: dict[str, int | str] = {"readback_verified": verified, "readback_unreadable": unreadable}
+    if unreadable and note:
+        summary["readback_note"] = note
+    return summary

@@ -1,9 +1,11 @@
 """Staging of an install on the engine side: buckets are received and checked aside, the model is untouched.
 
-Shared by the worker extension and the vLLM weight-transfer backend: ``begin`` (manifest) -> ``stage`` per
-bucket -> ``take`` (every tensor, in manifest order, only if all arrived) or ``abort``. A session opened with a
-:class:`~hotweights.engine.streaming.Stream` hands each checked bucket to it instead of keeping it (``finish``
-then closes the stream).
+The staging area of :class:`~hotweights.engine.session.WorkerSession`, so of every engine kind that runs the
+install session (the worker extension, the vLLM weight-transfer backend, an in-process worker): ``begin``
+(manifest, checked against the checkpoint the worker serves) -> ``stage`` per bucket (an in-process install stages
+every tensor at once, by reference: ``stage_by_reference``) -> ``take`` (every tensor, in manifest order, only if
+all arrived) or ``abort``. A session opened with a :class:`~hotweights.engine.streaming.Stream` hands each checked
+bucket to it instead of keeping it (``finish_stream`` then closes the stream).
 """
 
 from __future__ import annotations
@@ -41,10 +43,12 @@ class InstallSession:
     direct_plan: DirectPlan | None = None
     """The direct setter's plan, when the session was opened for a direct install (made once, at ``begin``)."""
     method: str | None = None
-    """How ``finish`` installs (``"direct"`` or ``"reload"``), decided at ``begin``; None: as ``finish`` is told."""
+    """How ``commit`` installs (``"direct"`` or ``"reload"``), decided at ``begin``; None: the layerwise reload."""
     method_reason: str = ""
     """Why ``method`` was chosen, for the report."""
     staged: dict[str, torch.Tensor] = field(default_factory=dict)
+    by_reference: Any = None
+    """The caller's own tensors (an in-process install hands them over by reference: nothing was copied)."""
     received: set[str] = field(default_factory=set)
     keepalive: list[Any] = field(default_factory=list)
     nbytes: int = 0
@@ -62,13 +66,20 @@ class StagingArea:
         self.session: InstallSession | None = None
 
     def begin(
-        self, manifest_json: str, stream: Callable[[WeightUpdateManifest], Stream] | None = None, *, check: bool = True
+        self,
+        manifest_json: str | WeightUpdateManifest,
+        stream: Callable[[WeightUpdateManifest], Stream] | None = None,
+        *,
+        check: bool = True,
     ) -> str:
         """Open a session (streaming into ``stream(manifest)`` when given); one left open (e.g. by a crashed
         trainer) is dropped first. A manifest that differs from the checkpoint the owner serves is refused here
         (:func:`~hotweights.engine.expected.check_manifest`); ``check=False`` for a delta's wire tensors (indices
         and values, checked against the worker's copy by the delta session)."""
-        manifest = WeightUpdateManifest.from_json(manifest_json)
+        if isinstance(manifest_json, WeightUpdateManifest):
+            manifest = manifest_json
+        else:
+            manifest = WeightUpdateManifest.from_json(manifest_json)
         if check:  # against the checkpoint this worker serves, before anything is received
             check_manifest(self.owner, manifest)
         if self.session is not None:
@@ -123,13 +134,36 @@ class StagingArea:
             session.keepalive.append(keepalive)
         return bucket.nbytes
 
-    def take(self, update_id: str) -> tuple[list[tuple[str, torch.Tensor]], InstallSession]:
+    def stage_by_reference(self, update_id: str, tensors: Any) -> int:
+        """Stage every tensor of the update at once, by reference (an in-process engine). ``tensors`` are the
+        caller's (name, tensor) pairs, already checked against the manifest in this very process; only their names
+        are checked here. Returns the bytes staged (none copied)."""
+        from hotweights.core.cast import item_names
+
+        session = self.current(update_id)
+        if session.stream is not None or session.received:
+            raise RuntimeError(f"update {update_id}: tensors by reference go into an atomic session, all at once")
+        names = item_names(tensors)
+        if names != list(session.manifest.tensors):
+            raise ValueError(f"update {update_id}: the tensors staged by reference are not the manifest's")
+        session.by_reference = tensors
+        session.received.update(names)
+        session.nbytes = session.manifest.total_bytes
+        return session.nbytes
+
+    def check_complete(self, update_id: str) -> None:
+        """Raise unless every tensor of ``update_id`` arrived."""
+        _refuse_incomplete(self.current(update_id))
+
+    def take(self, update_id: str) -> tuple[Any, InstallSession]:
         """Every staged tensor in manifest order, closing the session; raises if any never arrived."""
         session = self.current(update_id)
         if session.stream is not None:
-            raise RuntimeError(f"update {update_id} is streaming: its tensors are already in the model; finish it")
+            raise RuntimeError(f"update {update_id} is streaming: its tensors are already in the model; commit it")
         self.session = None  # taken or refused, the session ends here
         _refuse_incomplete(session)
+        if session.by_reference is not None:
+            return session.by_reference, session
         return [(n, session.staged[n]) for n in session.manifest.tensors], session
 
     def finish_stream(self, update_id: str) -> tuple[int, InstallSession]:

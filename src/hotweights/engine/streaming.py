@@ -1,6 +1,6 @@
 """Streaming installs: each bucket goes into the live model as soon as it is received and checked.
 
-The staged (atomic) session keeps the whole update aside until ``finish``; a stream keeps at most the bucket in
+The staged (atomic) session keeps the whole update aside until its commit; a stream keeps at most the bucket in
 flight plus the parts of a layer that are still incomplete, so peak extra memory follows the bucket size, not the
 update size. The price: once the first bucket went in, a failure leaves some layers new and some old (``abort``
 puts incomplete layers back to their previous weights; completed ones stay new).

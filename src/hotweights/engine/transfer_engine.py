@@ -1,21 +1,28 @@
-"""hotweights' transports as a backend of vLLM's own weight-transfer API.
+"""hotweights as a backend of vLLM's own weight-transfer API: a thin shim over the install session.
 
 With the package installed, vLLM's plugin loader registers the backend ``"hotweights"`` in every process (entry
 point ``vllm.general_plugins``). An engine started with ``weight_transfer_config={"backend": "hotweights"}`` then
-accepts the native flow, with hotweights' buckets and descriptors as ``update_info`` (JSON and bytes only)::
+accepts vLLM's four-phase flow, which maps onto :class:`~hotweights.engine.session.WorkerSession` (JSON and bytes
+only in ``update_info``)::
 
-    llm.collective_rpc("init_weight_transfer_engine", kwargs={"init_info": {}})
+    llm.collective_rpc("init_weight_transfer_engine", kwargs={"init_info": {}})   # or a collective rendezvous
     llm.collective_rpc("start_weight_update")
-    llm.collective_rpc("update_weights", kwargs={"update_info": {"update_id": ..., "manifest_json": ...,
-                                                                  "bucket_json": ..., "descriptor": {...}}})
-    llm.collective_rpc("finish_weight_update")
+    llm.collective_rpc("update_weights", kwargs={"update_info": {"update_id": ..., "options_json": ...}})  # begin
+    llm.collective_rpc("update_weights", kwargs={"update_info": {"update_id": ..., "bucket_json": ...,
+                                                                  "descriptor": {...}}})  # stage, per bucket
+    # (a flow written by hand may instead send the first bucket with "manifest_json": all options at default)
+    llm.collective_rpc("update_weights", kwargs={"update_info": {"update_id": ..., "prepare": True}})
+    llm.collective_rpc("finish_weight_update")                                     # commit
 
-Updates are staged exactly as with the worker extension and installed in one layerwise reload at
-``finish_weight_update``; a session that is not finished leaves the previous weights serving.
+Every session option (method, commit, delta) works as through the worker extension, but ``verify``:
+:class:`~hotweights.adapters.VLLMWeightTransferAdapter` refuses it, because vLLM's calls return nothing and what a
+read-back found could not come back. For the same reason what the session says (the method that ran, what was
+checked) stays in the engine's log; a refusal raises, and the trainer gets it back typed.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,10 +33,15 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
-from hotweights.engine.staging import StagingArea
+from hotweights.engine.session import SessionOptions, WorkerSession, refusal
 from hotweights.engine.worker_ops import reload_model
 
-__all__ = ["HotWeightsInitInfo", "HotWeightsTransferEngine", "HotWeightsUpdateInfo"]
+__all__ = ["DELTA_MISMATCH", "HotWeightsInitInfo", "HotWeightsTransferEngine", "HotWeightsUpdateInfo"]
+
+log = logging.getLogger("hotweights")
+
+#: Opens the error a worker raises for a delta whose base it does not serve (the trainer maps it back).
+DELTA_MISMATCH = "hotweights delta base mismatch, serving"
 
 
 @dataclass
@@ -45,18 +57,41 @@ class HotWeightsInitInfo(WeightTransferInitInfo):
 
 @dataclass
 class HotWeightsUpdateInfo(WeightTransferUpdateInfo):
-    """One bucket; the first bucket of an update also carries the manifest (JSON)."""
+    """One step of a session: ``options_json`` begins it, a bucket stages, ``prepare`` readies, ``abort`` drops."""
 
     update_id: str
+    options_json: str = ""
+    manifest_json: str = ""
+    """Shorthand for ``options_json`` with every option at its default (what a flow written by hand sends)."""
     bucket_json: str = ""
     descriptor: dict[str, Any] | None = None
-    manifest_json: str | None = None
+    prepare: bool = False
     abort: bool = False
-    """Drop what was staged for ``update_id`` (then ``finish_weight_update`` closes the session untouched)."""
+
+
+class _Worker:
+    """What the session needs of a worker, for the model this backend updates (its ``reload_weights`` is vLLM's
+    layerwise reload into that model)."""
+
+    def __init__(self, engine: HotWeightsTransferEngine) -> None:
+        self.model_runner = self
+        self._engine = engine
+
+    @property
+    def vllm_config(self) -> Any:
+        return self._engine.vllm_config
+
+    def get_model(self) -> torch.nn.Module:
+        model = self._engine.model
+        assert isinstance(model, torch.nn.Module)
+        return model
+
+    def reload_weights(self, weights_iterator: Any, is_checkpoint_format: bool = True) -> None:
+        reload_model(self._engine.vllm_config, self.get_model(), weights_iterator)
 
 
 class HotWeightsTransferEngine(WeightTransferEngine[HotWeightsInitInfo, HotWeightsUpdateInfo]):
-    """vLLM weight-transfer backend over hotweights' staging and transports."""
+    """vLLM weight-transfer backend over hotweights' install session and transports."""
 
     init_info_cls = HotWeightsInitInfo
     update_info_cls = HotWeightsUpdateInfo
@@ -65,7 +100,7 @@ class HotWeightsTransferEngine(WeightTransferEngine[HotWeightsInitInfo, HotWeigh
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.rank = int(getattr(self.parallel_config, "rank", 0))
-        self._staging = StagingArea(self)
+        self._session = WorkerSession(_Worker(self), owner=self)
         self._update_id: str | None = None
 
     def init_transfer_engine(self, init_info: HotWeightsInitInfo) -> None:
@@ -77,7 +112,7 @@ class HotWeightsTransferEngine(WeightTransferEngine[HotWeightsInitInfo, HotWeigh
             )
 
     def start_weight_update(self) -> None:
-        self._staging.abort()
+        self._session.abort()  # a session a crashed trainer left open
         self._update_id = None
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
@@ -87,25 +122,37 @@ class HotWeightsTransferEngine(WeightTransferEngine[HotWeightsInitInfo, HotWeigh
             torch.accelerator.synchronize()
 
     def receive_weights(self, update_info: HotWeightsUpdateInfo) -> None:
+        session, update_id = self._session, update_info.update_id
         if update_info.abort:
-            self._staging.abort(update_info.update_id)
+            session.abort(update_id)
             self._update_id = None
             return
-        if update_info.descriptor is None:
-            raise ValueError("update_info needs a 'descriptor' (or abort=True)")
-        if update_info.manifest_json is not None:
-            self._update_id = self._staging.begin(update_info.manifest_json)
-        self._staging.stage(update_info.update_id, update_info.bucket_json, update_info.descriptor)
+        options: str | SessionOptions = update_info.options_json
+        if not options and update_info.manifest_json:
+            options = SessionOptions(manifest=update_info.manifest_json)
+        if options:
+            opened = session.begin(options)
+            if not opened.get("ok"):
+                raise ValueError(f"{DELTA_MISMATCH} {opened.get('serving')}")
+            self._update_id = str(opened["update_id"])
+        if update_info.bucket_json:
+            if update_info.descriptor is None:
+                raise ValueError("update_info with a bucket needs its 'descriptor'")
+            session.stage(update_id, update_info.bucket_json, update_info.descriptor)
+        if update_info.prepare:
+            problems = session.prepare(update_id)
+            if problems:
+                raise refusal(problems)
 
     def finish_weight_update(self) -> None:
         if self._update_id is None:
             return
-        items, _ = self._staging.take(self._update_id)
-        self._update_id = None
-        reload_model(self.vllm_config, self.model, items)
+        update_id, self._update_id = self._update_id, None
+        summary = self._session.commit(update_id)
+        log.info("hotweights: installed %s: %s", update_id, summary)
 
     def shutdown(self) -> None:
         from hotweights.transports.collective import close_group
 
-        self._staging.abort()
+        self._session.abort()
         close_group(self)

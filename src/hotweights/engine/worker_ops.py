@@ -1,6 +1,10 @@
-"""Operations that run inside a vLLM worker (in-process, or through a worker extension in a spawned worker).
+"""Operations that run inside a vLLM worker, for the install session (:mod:`hotweights.engine.session`): in this
+process, through the worker extension in a spawned worker, or in the weight-transfer backend (which passes a
+stand-in with the worker's ``model_runner`` and ``reload_weights``).
 
-This module and :mod:`hotweights.engine.compat` are the only places that touch vLLM's worker and model internals.
+With :mod:`hotweights.engine.compat`, the only place that reaches vLLM's worker (its model runner, layerwise reload
+and KV cache); :mod:`~hotweights.engine.direct`, :mod:`~hotweights.engine.readback` and the streams read the
+model's layers.
 """
 
 from __future__ import annotations

@@ -1,4 +1,7 @@
-"""Engine handles: one per engine kind, behind the :class:`EngineHandle` contract (see :mod:`.base`)."""
+"""Engine handles: one per engine kind, behind the :class:`EngineHandle` contract (see :mod:`.base`).
+
+One handle per engine object (:func:`as_engine` keeps it on the engine); it holds what every adapter on that engine
+shares: the serving gate, the active version and the delta base."""
 
 from __future__ import annotations
 

@@ -6,10 +6,16 @@ hold. They ask its handle to call a worker method, to keep generation off the we
 the prefix cache, to record the version, and what weights it expects. One handle per engine kind: a
 ``vllm.LLM`` (:mod:`~hotweights.handles.llm`), an ``AsyncLLM`` (:mod:`~hotweights.handles.async_llm`), a remote
 ``vllm serve`` process.
+
+A handle also holds the state of its engine that every adapter on it shares: the serving gate, the active version
+(:attr:`EngineHandle.active_version`, seeded from the version the engine recorded) and the trainer's delta base
+(:attr:`EngineHandle.delta_state`), so a second adapter on the same engine neither accepts a stale version nor diffs
+against a stale base.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 from abc import ABC, abstractmethod
@@ -17,6 +23,7 @@ from collections.abc import Callable
 from typing import Any, ClassVar, Literal
 
 from hotweights.core.active import ActiveVersion
+from hotweights.core.delta import DeltaState
 from hotweights.core.gate import WriteGate
 from hotweights.core.manifest import ExpectedWeights
 from hotweights.engine.compat import WORKER_EXTENSION
@@ -63,6 +70,16 @@ class EngineHandle(ABC):
                 if line is None:
                     line = self.__dict__["_active_version"] = ActiveVersion(self.get_weight_version)
         return line
+
+    @property
+    def delta_state(self) -> DeltaState:
+        """The trainer's delta base for this engine, shared by every adapter on it (see :class:`DeltaState`)."""
+        state = self.__dict__.get("_delta_state")
+        if not isinstance(state, DeltaState):
+            with _VERSION_LOCK:
+                state = self.__dict__.setdefault("_delta_state", DeltaState())
+        assert isinstance(state, DeltaState)
+        return state
 
     def set_pause_mode(self, mode: PauseMode) -> None:
         """Choose how installs treat requests in flight; ValueError for a mode this engine kind cannot honour."""
@@ -146,14 +163,26 @@ class EngineHandle(ABC):
         """Whether the engine's scheduler is paused, by anyone; None where it cannot be told."""
         return None
 
+    def worker_status(self) -> dict[str, Any] | None:
+        """The extension's ``status`` from the first worker (protocol, weights asleep, pause record), or None where
+        there is no extension to ask (or it does not answer, e.g. a server running another hotweights)."""
+        if self.worker_extension != WORKER_EXTENSION:
+            return None
+        try:
+            answers = self.call("hotweights_engine", "status", "{}", timeout=PAUSE_CALL_TIMEOUT)
+        except Exception:
+            log.debug("hotweights: the workers did not answer 'status'", exc_info=True)
+            return None
+        return answers[0] if answers and isinstance(answers[0], dict) else None
+
     def _asleep_though_vllm_says_so(self) -> bool:
         """vLLM reports the engine sleeping, which it also does while the scheduler is only paused: the workers'
         own answer where the worker extension can give one, else True (refuse rather than risk a write)."""
         if self.worker_extension != WORKER_EXTENSION:
             return True
         try:
-            answers = self.call("hotweights_weights_asleep", timeout=PAUSE_CALL_TIMEOUT)
-            return any(str(a).lower() == "true" for a in answers)  # a server's route answers in text
+            answers = self.call("hotweights_engine", "status", "{}", timeout=PAUSE_CALL_TIMEOUT)
+            return any(bool(a.get("weights_asleep", True)) for a in answers)
         except Exception:  # e.g. a server running an older hotweights: cannot be told
             log.debug("hotweights: the workers did not say whether their weights sleep", exc_info=True)
             return True
@@ -165,20 +194,23 @@ class EngineHandle(ABC):
         if self.worker_extension != WORKER_EXTENSION:
             return None
         try:
-            answers = self.call(
-                "hotweights_pause_owner", action, owner.to_json() if owner else "", timeout=PAUSE_CALL_TIMEOUT
-            )
+            if action == "read":
+                status = self.worker_status()
+                text = str(status.get("pause_owner", "")) if status else ""
+            else:
+                args = json.dumps({"action": action, "owner": owner.to_json() if owner else ""})
+                text = str(self.call("hotweights_engine", "pause", args, timeout=PAUSE_CALL_TIMEOUT)[0])
         except Exception:  # e.g. a server running an older hotweights: no record is kept there
             log.debug("hotweights: the pause record could not be %s", action, exc_info=True)
             return None
-        return PauseOwner.from_json(str(answers[0])) if answers else None
+        return PauseOwner.from_json(text)
 
     def clear_kv_cache(self) -> int | None:
         """Zero the KV cache after a failed write (poisoned blocks survive a prefix-cache reset); the number of
         tensors zeroed, or None where the cache cannot be reached (only the worker extension reaches it)."""
         if self.worker_extension != WORKER_EXTENSION:
             return None
-        return sum(int(n) for n in self.call("hotweights_clear_kv_cache", timeout=CLEAR_KV_TIMEOUT))
+        return sum(int(n) for n in self.call("hotweights_engine", "clear_kv_cache", "{}", timeout=CLEAR_KV_TIMEOUT))
 
     def on_shutdown(self, callback: Callable[[], object]) -> None:  # noqa: B027 - a no-op where there is no hook
         """Run ``callback()`` once the engine shuts down (e.g. to release files kept for it); ignored by handles

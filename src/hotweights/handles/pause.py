@@ -8,7 +8,8 @@ vLLM's ``is_sleeping()`` is True while the scheduler is merely paused (``/pause`
 - into an engine that a hotweights install paused and whose trainer is gone (killed while it held the pause), goes
   on and resumes it afterwards; a live install's pause is waited for.
 
-Each install that pauses an engine records a :class:`PauseOwner` on its workers (through the worker extension) and
+Each install that pauses an engine records a :class:`PauseOwner` on its workers (through the worker extension's
+``hotweights_engine("pause")``; ``hotweights_engine("status")`` reads it back) and
 clears it when it resumes; a trainer that dies in between leaves the record, which the next one reads.
 """
 

@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypedDict
 from urllib.parse import urlsplit
 
 import httpx
@@ -37,7 +37,10 @@ from hotweights.handles.base import EngineHandle, PauseMode
 from hotweights.handles.pause import PauseOwner
 from hotweights.telemetry import best_effort
 
-__all__ = ["PAUSE_MODES", "RemoteGate", "RemoteHandle", "connect"]
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
+__all__ = ["PAUSE_MODES", "ConnectOptions", "RemoteGate", "RemoteHandle", "connect"]
 
 PAUSE_MODES: tuple[PauseMode, ...] = ("wait", "abort", "keep")
 #: How to start a server hotweights can install into (named by every "not supported" error).
@@ -53,15 +56,17 @@ _LIMITS = httpx.Limits(max_connections=32, max_keepalive_connections=8, keepaliv
 TOKEN_ENV = "HOTWEIGHTS_TOKEN"
 
 
-def connect(
-    url: str,
-    *,
-    api_key: str | None = None,
-    timeout: float = 60.0,
-    expected: ExpectedWeights | str | Path | None = None,
-    transport: httpx.BaseTransport | None = None,
-    token: str | None = None,
-) -> RemoteHandle:
+class ConnectOptions(TypedDict, total=False):
+    """The keyword arguments of :func:`connect` (defaults in :class:`RemoteHandle`)."""
+
+    api_key: str | None
+    timeout: float
+    expected: ExpectedWeights | str | Path | None
+    transport: httpx.BaseTransport | None
+    token: str | None
+
+
+def connect(url: str, **options: Unpack[ConnectOptions]) -> RemoteHandle:
     """A handle on the ``vllm serve`` process at ``url``, for :func:`hotweights.install`.
 
     Args:
@@ -87,7 +92,7 @@ def connect(
         >>> engine = hotweights.connect("http://127.0.0.1:8000")                          # doctest: +SKIP
         >>> hotweights.install(engine, model.state_dict(), weight_version=step)            # doctest: +SKIP
     """
-    return RemoteHandle(url, api_key=api_key, timeout=timeout, expected=expected, transport=transport, token=token)
+    return RemoteHandle(url, **options)
 
 
 class RemoteHandle(EngineHandle):
@@ -226,10 +231,11 @@ class RemoteHandle(EngineHandle):
             backend = _dig(self._config, "weight_transfer_config", "backend")
             return (str(ext) if ext else ""), (str(backend) if backend else "")
         try:
-            answers = self.call("hotweights_ping", timeout=self.timeout)
+            answers = self.call("hotweights_engine", "status", "{}", timeout=self.timeout)
         except InstallError:  # the workers have no such method: no extension (a backend cannot be probed safely)
             return "", ""
-        return (WORKER_EXTENSION if answers and all(a == "hotweights" for a in answers) else ""), ""
+        loaded = bool(answers) and all(isinstance(a, dict) and a.get("hotweights") == "hotweights" for a in answers)
+        return (WORKER_EXTENSION if loaded else ""), ""
 
     # ------------------------------------------------------------------------------------------------ contract
     @property

@@ -19,13 +19,12 @@ Example:
 
 from __future__ import annotations
 
-import inspect
 from typing import Any
 
 import torch
 
 import hotweights
-from hotweights._install import install
+from hotweights._install import InstallOptions, install
 from hotweights.core.errors import EngineNotSupportedError, HotWeightsError
 from hotweights.core.report import InstallReport
 from hotweights.engine import compat
@@ -34,9 +33,7 @@ __all__ = ["TRLWeightSync", "attach"]
 
 _TESTED_TRL = "trl==1.16.0"
 # hotweights.install's keyword options that attach() passes on; weight_version and update_id it sets per sync.
-_INSTALL_OPTIONS = frozenset(
-    name for name, p in inspect.signature(install).parameters.items() if p.kind is inspect.Parameter.KEYWORD_ONLY
-) - {"weight_version", "update_id"}
+_INSTALL_OPTIONS = frozenset(InstallOptions.__annotations__) - {"update_id"}
 
 
 class TRLWeightSync:

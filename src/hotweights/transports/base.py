@@ -3,7 +3,9 @@
 Trainer side, a transport implements one method, :meth:`WeightTransport.send`. It packs a bucket, hands the
 engine a JSON-able *descriptor* through ``stage`` (an RPC that returns once every worker has staged the bucket),
 and cleans up. Engine side, the same module provides ``open_bucket(descriptor, worker) -> (buffer, keepalive)``,
-found through :func:`hotweights.transports.engine_side` by the descriptor's ``"transport"`` key.
+found through :func:`hotweights.transports.engine_side` by the descriptor's ``"transport"`` key. A transport that
+keeps state with the workers (a process group, kept segments) gets the adapter as its :class:`EngineLink` at
+``connect`` and asks for the worker extension's ``hotweights_engine`` operations through ``engine_op``.
 """
 
 from __future__ import annotations
@@ -26,13 +28,14 @@ Stage = Callable[[Descriptor], None]
 
 @runtime_checkable
 class EngineLink(Protocol):
-    """What a transport may ask of the engine besides staging: a named RPC to every worker, and their count."""
+    """What a transport may ask of the engine besides staging: an operation on every worker, and their count."""
 
     @property
     def num_workers(self) -> int: ...
 
-    def call(self, method: str, *args: Any) -> list[Any]:
-        """Run the worker-extension method ``method`` on every worker; one result per worker."""
+    def engine_op(self, op: str, **args: Any) -> list[Any]:
+        """Run the worker operation ``op`` (``"join_group"``, ``"leave_group"``, ``"release_segments"``: see
+        :data:`hotweights.engine.worker_extension.ENGINE_OPS`) on every worker; one result per worker."""
         ...
 
 

@@ -161,8 +161,10 @@ class Transport(WeightTransport):
         where = f"{self.host}:{port}"
         ended: queue.SimpleQueue[_Call] = queue.SimpleQueue()
         joining = _Call(
-            f"the engine workers' join call (hotweights_init_communicator to {where})",
-            lambda: engine.call("hotweights_init_communicator", self.host, port, world, self.backend, self.timeout),
+            f"the engine workers' join call (join_group at {where})",
+            lambda: engine.engine_op(
+                "join_group", host=self.host, port=port, world_size=world, backend=self.backend, timeout=self.timeout
+            ),
             ended,
         )
         hosting = _Call(
@@ -254,7 +256,7 @@ class Transport(WeightTransport):
         if not cast.done.is_set() and idle and engine is not None:
             # The workers are done with their stage call: dropping their end ends the trainer's pending broadcast.
             try:
-                engine.call("hotweights_close_communicator")
+                engine.engine_op("leave_group")
             except Exception:  # e.g. vLLM refuses to release it during a weight update: the next send replaces it
                 pass
             else:
@@ -271,7 +273,7 @@ class Transport(WeightTransport):
         self._reconnect = None
         if self._engine is not None:
             try:
-                self._engine.call("hotweights_close_communicator")
+                self._engine.engine_op("leave_group")
             finally:
                 self._engine = None
         self._group = None

@@ -2,7 +2,7 @@
 the same physical GPU open it through a CUDA IPC handle and stage views of it — no host round trip, no copy.
 
 The descriptor carries only the handle's primitives (ints and bytes, never pickle). torch's IPC reference
-counting keeps the trainer's block alive until every worker has dropped its views (after ``finish``), so the
+counting keeps the trainer's block alive until every worker has dropped its views (after the commit), so the
 trainer may free its buffer as soon as the bucket is staged: handles are released after the install.
 """
 

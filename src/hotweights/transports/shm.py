@@ -1,7 +1,7 @@
 """Shared-memory transport: the trainer writes each bucket into a private file in ``/dev/shm``; the workers map it
 (copy-on-write, so nothing is copied unless written) for the install.
 
-By default the files of an install's first buckets (up to ``REUSE_BUDGET``, 64 MiB) are kept and rewritten by the
+By default the files of an install's first buckets (up to ``REUSE_BUDGET``, 1 GiB) are kept and rewritten by the
 next install: rewriting pages is 2-3x faster than having the kernel allocate fresh ones. The workers hold nothing
 between installs. Every other file is unlinked as soon as the workers staged it. Kept files go at
 :meth:`Transport.close`, when the engine the transport is connected to shuts down (where the engine link offers
@@ -45,7 +45,7 @@ import torch
 from hotweights.core.buckets import Bucket, byte_views, pack_into
 from hotweights.transports.base import Descriptor, EngineLink, Stage, WeightTransport
 
-__all__ = ["REUSE_BUDGET", "SHM_DIR", "Transport", "open_bucket", "release_segments", "sweep_stale"]
+__all__ = ["REUSE_BUDGET", "REUSE_ENV", "SHM_DIR", "Transport", "open_bucket", "release_segments", "sweep_stale"]
 
 logger = logging.getLogger("hotweights")
 
@@ -224,17 +224,30 @@ def _new_segment(size: int) -> tuple[str, Path, mmap.mmap]:
         os.close(fd)
 
 
-#: Most bytes of bucket files a default shm transport keeps for reuse (see ``Transport(keep_segments=None)``).
-REUSE_BUDGET = 64 << 20
+#: Most bytes of bucket files a default shm transport keeps for reuse (see ``Transport(keep_segments=None)``):
+#: 1 GiB, so a model up to that size is rewritten in place by every install (no fresh pages: 612 MB took 0.46 s
+#: to write into fresh pages, as long as the rest of the install). ``HOTWEIGHTS_SHM_REUSE_BYTES`` overrides it
+#: (``0``: a fresh file per bucket).
+REUSE_BUDGET = 1 << 30
+#: Environment variable that overrides :data:`REUSE_BUDGET` (bytes).
+REUSE_ENV = "HOTWEIGHTS_SHM_REUSE_BYTES"
 
 
 def _reuse_budget() -> int:
-    """:data:`REUSE_BUDGET`, at most a sixteenth of ``SHM_DIR``'s filesystem (Docker's default /dev/shm: 4 MiB)."""
+    """:data:`REUSE_BUDGET` (or ``$HOTWEIGHTS_SHM_REUSE_BYTES``), at most a sixteenth of ``SHM_DIR``'s filesystem
+    (Docker's default /dev/shm, 64 MiB: 4 MiB)."""
+    budget = REUSE_BUDGET
+    text = os.environ.get(REUSE_ENV, "").strip()
+    if text:
+        try:
+            budget = max(0, int(text))
+        except ValueError:
+            logger.warning("hotweights: %s=%r is not a number of bytes; using %d", REUSE_ENV, text, budget)
     try:
         st = os.statvfs(SHM_DIR)
     except OSError:
         return 0
-    return min(REUSE_BUDGET, st.f_blocks * st.f_frsize // 16)
+    return min(budget, st.f_blocks * st.f_frsize // 16)
 
 
 @dataclass
@@ -333,14 +346,18 @@ def _release(files: dict[int, _File], kept: dict[int, _Segment]) -> None:
             kept.popitem()[1].close()
 
 
+#: Kept segments released per worker call (their ids travel as one small JSON object).
+_RELEASE_CHUNK = 512
+
+
 class Transport(WeightTransport):
     """Same-host transport through shared memory (the default for ``vllm.LLM`` multiprocess engines).
 
     Args:
         keep_segments: ``None`` (default): the bucket files of an install are kept in ``SHM_DIR`` and rewritten in
-            place by the next install while they fit in :data:`REUSE_BUDGET` (64 MiB, at most a sixteenth of the
-            shared-memory filesystem): small updates, and the first buckets of large ones, skip the kernel's
-            allocation of fresh pages (15 MB: 4 ms instead of 10 ms). The workers map them for each install, as
+            place by the next install while they fit in :data:`REUSE_BUDGET` (1 GiB, at most a sixteenth of the
+            shared-memory filesystem): updates up to that size, and the first buckets of larger ones, skip the
+            kernel's allocation of fresh pages (15 MB: 4 ms instead of 10 ms). The workers map them for each install, as
             any bucket, and hold nothing between installs; the files go at :meth:`close`, when the engine shuts
             down (an engine link with ``on_shutdown``), when the transport is garbage-collected, at exit, or,
             after a SIGKILL, by the next transport's :func:`sweep_stale`. ``False``: a fresh file per
@@ -403,7 +420,9 @@ class Transport(WeightTransport):
         being raised: a failed stage), never raised."""
         if segments and self._engine is not None:
             try:  # a worker also drops the segments of trainers that are gone when it maps a new one
-                self._engine.call("hotweights_release_segments", [seg.id for seg in segments])
+                ids = [seg.id for seg in segments]
+                for start in range(0, len(ids), _RELEASE_CHUNK):  # each call's arguments stay small
+                    self._engine.engine_op("release_segments", ids=ids[start : start + _RELEASE_CHUNK])
             except Exception:
                 logger.log(
                     level,

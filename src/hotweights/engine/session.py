@@ -1,0 +1,294 @@
+"""The install session, engine side: one protocol for every engine kind, transport and option.
+
+``begin`` (options) -> ``stage`` per bucket -> ``prepare`` -> ``commit``, or ``abort`` at any point before
+``commit``. :class:`SessionOptions` chooses, independently:
+
+- the **method**: ``auto`` (the direct setter where its plan proves it safe, else vLLM's layerwise reload),
+  ``direct`` or ``reload``;
+- the **commit**: ``atomic`` (everything is staged aside; nothing touches the model until ``commit``) or
+  ``streaming`` (each bucket goes into the model as it arrives: memory follows the bucket);
+- **delta**: the manifest describes either the update itself, or a delta's wire tensors (indices, values, whole
+  tensors) to apply to the copy this worker kept of the version it serves (:mod:`hotweights.engine.delta`).
+
+``prepare`` is where every worker says it is ready (all buckets arrived and checked, the delta rebuilt aside)
+without writing: a trainer with several workers prepares all of them before any commits. ``commit`` without a
+``prepare`` prepares first. The worker extension, vLLM's weight-transfer backend and an in-process engine all
+drive this one class; they differ only in how its calls reach the worker.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Literal, cast
+
+import pydantic
+import torch
+
+from hotweights.core.delta import DeltaManifest
+from hotweights.core.errors import Mismatch, MismatchKind, WeightManifestValidationError
+from hotweights.core.manifest import WeightUpdateManifest
+from hotweights.engine import delta as delta_state
+from hotweights.engine.staging import InstallSession, StagingArea
+
+if TYPE_CHECKING:
+    from hotweights.core.manifest import TensorsLike
+
+__all__ = ["PROTOCOL", "SessionOptions", "WorkerSession", "refusal", "session_of"]
+
+log = logging.getLogger("hotweights")
+
+#: Version of this protocol; ``hotweights_engine("status")`` reports it, so a trainer can refuse a server that
+#: speaks another one.
+PROTOCOL = 2
+
+Summary = dict[str, int | str | float]
+
+
+class SessionOptions(pydantic.BaseModel):
+    """What ``begin`` opens. Everything is plain JSON: it crosses every RPC without pickle."""
+
+    model_config = pydantic.ConfigDict(extra="forbid", frozen=True)
+
+    manifest: str = pydantic.Field(default="", max_length=64 << 20)
+    """The manifest (JSON) of what crosses: the update, or, with ``delta``, the delta's wire tensors (empty for a
+    delta that changes nothing, or when an in-process caller hands the manifest over by reference)."""
+    method: Literal["auto", "direct", "reload"] = "auto"
+    commit: Literal["atomic", "streaming"] = "atomic"
+    delta: str | None = pydantic.Field(default=None, max_length=64 << 20)
+    """A :class:`~hotweights.core.delta.DeltaManifest` (JSON): apply it to the kept copy instead."""
+    keep_base: bool = False
+    """Keep a host copy of what this session installs, for later deltas (the trainer uses deltas on this engine)."""
+    verify: bool = False
+    """After the commit, read the live parameters back and compare them with what was staged."""
+
+    @classmethod
+    def parse(cls, text: str) -> SessionOptions:
+        try:
+            return cls.model_validate_json(text)
+        except pydantic.ValidationError as exc:
+            raise ValueError(f"malformed session options: {exc.error_count()} error(s): {exc.errors()[:3]}") from None
+
+
+class WorkerSession:
+    """At most one open install on one worker. ``worker`` is what vLLM gives (a worker, or a facade with the same
+    ``model_runner`` and ``reload_weights``); transports that keep state (a process group) keep it on ``owner``."""
+
+    def __init__(self, worker: Any, owner: Any = None) -> None:
+        self.worker = worker
+        self.staging = StagingArea(owner if owner is not None else worker)
+        self.options: SessionOptions | None = None
+        self.update_id: str | None = None
+        self.delta: DeltaManifest | None = None
+        self.prepared: delta_state.Prepared | None = None
+        self.base = delta_state.WorkerBase()
+
+    # ------------------------------------------------------------------ the protocol
+    def begin(self, options: str | SessionOptions, manifest: WeightUpdateManifest | None = None) -> dict[str, Any]:
+        """Open a session. Returns ``{"ok": True, "update_id", "method", "reason"}``, or ``{"ok": False,
+        "serving": ...}`` for a delta whose base this worker does not hold. Refuses (raises) malformed options and a
+        manifest that differs from the checkpoint served, before anything is received; a session left open (by a
+        crashed trainer) is dropped only once the new one is accepted. ``manifest`` replaces ``options.manifest``
+        for an in-process caller (no JSON round trip)."""
+        if isinstance(options, str):
+            options = SessionOptions.parse(options)
+        elif not isinstance(options, SessionOptions):
+            raise ValueError(f"malformed session options: JSON text expected, not {type(options).__name__}")
+        if options.commit == "streaming" and options.verify:
+            raise ValueError("verify needs an atomic commit: a streaming install keeps no copy of what it wrote")
+        given: str | WeightUpdateManifest = manifest if manifest is not None else options.manifest
+        opened = self._begin_delta(options, given) if options.delta is not None else self._begin_full(options, given)
+        if opened.get("ok") and options.keep_base:
+            self.base.tracking = True
+        return opened
+
+    def _begin_full(self, options: SessionOptions, given: str | WeightUpdateManifest) -> dict[str, Any]:
+        chosen: list[Any] = []
+
+        def choose(manifest: WeightUpdateManifest) -> tuple[Any, str, str]:
+            from hotweights.engine.direct import choose_method
+
+            chosen[:] = choose_method(self._model, manifest.tensors, options.method)
+            return chosen[0], chosen[1], chosen[2]
+
+        if options.commit == "atomic":
+            update_id = self.staging.begin(given)  # checks first, then drops a session left open
+            self._opened(options, update_id)
+            session = self.staging.current(update_id)
+            try:
+                session.direct_plan, session.method, session.method_reason = choose(session.manifest)
+            except BaseException:
+                self.abort(update_id)
+                raise
+        else:
+            from hotweights.engine.streaming import open_stream
+
+            if options.method != "auto":  # a forced method: the stream plans (or refuses) itself
+                chosen[:] = [None, options.method, f"install_method={options.method!r} was asked for"]
+            update_id = self.staging.begin(
+                given, lambda m: open_stream(self.worker, m, chosen[1] if chosen else choose(m)[1])
+            )
+            self._opened(options, update_id)
+            session = self.staging.current(update_id)
+            session.method, session.method_reason = chosen[1], chosen[2]
+            self.base.forget()  # a streaming install writes as it receives: the copy cannot follow it
+        return {"ok": True, "update_id": update_id, "method": session.method, "reason": session.method_reason}
+
+    def _opened(self, options: SessionOptions, update_id: str, delta: DeltaManifest | None = None) -> None:
+        """The new session replaces whatever was open (its staging was dropped by ``StagingArea.begin``)."""
+        self.options, self.update_id, self.delta, self.prepared = options, update_id, delta, None
+
+    def stage(self, update_id: str, bucket_json: str, descriptor: dict[str, Any]) -> int:
+        """Receive one bucket through its transport and check it against the manifest; returns the bytes staged."""
+        return self.staging.stage(update_id, bucket_json, descriptor)
+
+    def stage_tensors(self, update_id: str, tensors: TensorsLike) -> int:
+        """Stage every tensor of the update by reference (an in-process engine: nothing is copied)."""
+        return self.staging.stage_by_reference(update_id, tensors)
+
+    def prepare(self, update_id: str) -> list[dict[str, str]]:
+        """Make the open session ready to commit without writing: every tensor arrived; a delta is checked
+        completely and rebuilt aside. Returns the problems found in a delta (as
+        :class:`~hotweights.Mismatch` fields; the session is then dropped); raises for anything else."""
+        options = self._open(update_id)
+        if self.prepared is not None:
+            return []
+        if options.delta is not None:
+            assert self.delta is not None
+            try:
+                self.prepared = delta_state.prepare(self.base, self.staging, self.delta)
+            except WeightManifestValidationError as exc:
+                self.abort()
+                return [{k: str(v) for k, v in dataclasses.asdict(m).items()} for m in exc.mismatches]
+        else:
+            self.prepared = delta_state.Prepared(*self._take(update_id))
+        return []
+
+    def commit(self, update_id: str) -> Summary:
+        """Install what was prepared (preparing first if needed) and close the session; the summary names the
+        method that ran and why, what was checked after transit and, with ``verify``, what was read back."""
+        options = self._open(update_id)
+        problems = self.prepare(update_id)
+        if problems:
+            raise refusal(problems)
+        prepared = self.prepared
+        assert prepared is not None
+        self.options = self.prepared = self.delta = self.update_id = None
+        if options.delta is not None:
+            return delta_state.commit(self.worker, self.base, prepared, options.method)
+        session = prepared.session
+        assert session is not None
+        if session.stream is not None:
+            refreshed, session = self.staging.finish_stream(session.manifest.update_id)
+        else:
+            self.base.forget()  # from the first write until the install is done, the copy is stale
+            refreshed = self._write(session, prepared.items)
+            self.base.remember(session.manifest, prepared.items)
+        summary: Summary = {
+            "tensors": len(session.manifest.tensors),
+            "bytes": session.nbytes,
+            "digests_verified": session.digests_verified,
+            "tied_layers_refreshed": refreshed,
+            "install_method": session.method or "reload",
+            "install_reason": session.method_reason,
+        }
+        if options.verify:
+            from hotweights.engine.readback import readback
+
+            start = time.perf_counter()
+            summary.update(readback(self._model(), session, prepared.items))
+            summary["readback_seconds"] = time.perf_counter() - start
+        return summary
+
+    def abort(self, update_id: str | None = None) -> bool:
+        """Drop the open session (only ``update_id``'s when given); before ``commit`` the model was never touched
+        (a streaming session puts its incomplete layers back)."""
+        if update_id is not None and self.update_id != update_id:
+            return self.staging.abort(update_id)
+        had = self.update_id is not None
+        self.options = self.prepared = self.delta = self.update_id = None
+        return self.staging.abort(update_id) or had
+
+    def install(
+        self,
+        options: str | SessionOptions,
+        stage: Callable[[str], object],
+        manifest: WeightUpdateManifest | None = None,
+    ) -> Summary:
+        """``begin``, ``stage(update_id)``, ``commit`` in one call (one worker: one RPC, or an in-process engine).
+        A refusal before the write drops the session and comes back as ``{"refused": "<why>"}``."""
+        try:
+            opened = self.begin(options, manifest)
+            if not opened.get("ok"):
+                return {"refused": f"DeltaBaseMismatchError: serving {opened.get('serving')}"}
+            update_id = str(opened["update_id"])
+            stage(update_id)
+            problems = self.prepare(update_id)
+            if problems:
+                raise refusal(problems)
+        except Exception as exc:
+            self.abort()
+            return {"refused": f"{type(exc).__name__}: {exc}"}
+        return self.commit(update_id)
+
+    # ------------------------------------------------------------------ helpers
+    def _model(self) -> torch.nn.Module:
+        from hotweights.engine.worker_ops import worker_model
+
+        return worker_model(self.worker)
+
+    def _open(self, update_id: str) -> SessionOptions:
+        if self.options is None or self.update_id != update_id:
+            raise RuntimeError(f"no open install session {update_id!r} on this worker (open: {self.update_id!r})")
+        return self.options
+
+    def _take(self, update_id: str) -> tuple[InstallSession, Any]:
+        session = self.staging.current(update_id)
+        if session.stream is not None:
+            self.staging.check_complete(update_id)
+            return session, ()
+        items, session = self.staging.take(update_id)
+        return session, items
+
+    def _write(self, session: InstallSession, items: Any) -> int:
+        from hotweights.engine.worker_ops import after_weights_changed, reload_checkpoint_tensors
+
+        if session.method == "direct":
+            from hotweights.core.cast import lazy_mapping
+            from hotweights.engine.direct import apply_direct
+
+            assert session.direct_plan is not None
+            refreshed = apply_direct(self._model(), session.direct_plan, lazy_mapping(items))
+            after_weights_changed(self.worker)
+            return refreshed
+        return reload_checkpoint_tensors(self.worker, items)
+
+    def _begin_delta(self, options: SessionOptions, wire: str | WeightUpdateManifest) -> dict[str, Any]:
+        delta = DeltaManifest.from_json(options.delta or "")
+        serving = self.base.serving(delta)
+        if serving is not None:
+            return {"ok": False, "serving": serving}
+        if not delta.entries:  # no wire to stage: drop what was open here
+            self.abort()
+        delta_state.begin(self.base, self.staging, delta, wire)
+        self._opened(options, delta.update_id, delta)
+        return {"ok": True, "update_id": delta.update_id, "method": options.method, "reason": "delta"}
+
+
+_ATTR = "_hotweights_session"
+
+
+def session_of(worker: Any, owner: Any = None) -> WorkerSession:
+    """The session of ``worker``, created on first use and kept on it."""
+    session = getattr(worker, _ATTR, None)
+    if not isinstance(session, WorkerSession):
+        session = WorkerSession(worker, owner)
+        setattr(worker, _ATTR, session)
+    return session
+
+
+def refusal(problems: list[dict[str, str]]) -> WeightManifestValidationError:
+    found = [Mismatch(cast(MismatchKind, p["kind"]), p["name"], p["expected"], p["actual"]) for p in problems]
+    return WeightManifestValidationError(found, context="delta update (checked by the engine's worker)", wire=True)
