@@ -14,6 +14,7 @@ Example:
 
 from typing import Any as _Any
 
+from hotweights import adapters as _adapters
 from hotweights._install import adapter_for, install, install_async
 from hotweights.core.errors import (
     DeltaBaseMismatchError,
@@ -66,18 +67,7 @@ __all__ = [
 #: Names that were top-level exports before they moved to their submodule: ``hotweights.<name>`` still resolves
 #: (lazily, silently) to the object the submodule exports, but they are not in ``__all__`` or ``dir(hotweights)``.
 _MOVED = {
-    **dict.fromkeys(
-        [
-            "PrefixCachePolicy",
-            "VLLMDirectSetterAdapter",
-            "VLLMInProcessWeightReloadAdapter",
-            "VLLMMultiprocessAdapter",
-            "VLLMWeightTransferAdapter",
-            "VLLMWeightsPathAdapter",
-            "WeightInstallAdapter",
-        ],
-        "hotweights.adapters",
-    ),
+    **dict.fromkeys(_adapters.__all__, "hotweights.adapters"),
     **dict.fromkeys(["EngineHandle", "PauseMode", "as_engine"], "hotweights.handles"),
     **dict.fromkeys(
         ["WeightTransport", "available_transports", "make_transport", "register_transport"], "hotweights.transports"
