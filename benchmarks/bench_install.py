@@ -126,13 +126,16 @@ def timed_reprocessing(model: torch.nn.Module) -> Iterator[list[tuple[str, float
 def interleaved_medians(
     steps: dict[str, Callable[[StateDict], float]], pair: tuple[StateDict, StateDict], repeats: int
 ) -> dict[str, float]:
-    """Rounds of one step per method, in the order given: an untimed warm-up round on B, then ``repeats`` timed
-    rounds on A, B, A, ... (each method alternates A and B; drift and start-up effects hit every method alike).
+    """Rounds of one step per method, the order rotated by one each round: an untimed warm-up round on B, then
+    ``repeats`` timed rounds on A, B, A, ... (each method alternates A and B and takes every place in a round; drift,
+    start-up and what-ran-just-before effects hit every method alike).
     Prints every time (the spread shows the noise) and returns each method's median."""
     times: dict[str, list[float]] = {label: [] for label in steps}
+    labels = list(steps)
     for r in range(repeats + 1):
-        for label, step in steps.items():
-            times[label].append(step(pair[(r + 1) % 2]))
+        turn = r % len(labels)  # each round starts with the next method: no method always follows the same one
+        for label in labels[turn:] + labels[:turn]:
+            times[label].append(steps[label](pair[(r + 1) % 2]))
     for label, ts in times.items():
         print(f"  {label}: warm-up {ts[0]:.4f} s, timed " + " ".join(f"{t:.4f}" for t in ts[1:]) + " s", flush=True)
     return {label: statistics.median(ts[1:]) for label, ts in times.items()}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -108,3 +109,42 @@ def test_one_call_install(tp: TP) -> None:
     report = hotweights.install(tp.llm, tp.b.state_dict(), weight_version=tp.version)
     assert report.adapter == "multiprocess-shm"
     assert greedy_vllm(tp.llm) == tp.b.hf
+
+
+def test_deltas_read_one_shared_copy_per_host(tp: TP) -> None:
+    """Both workers apply deltas to the trainer's own copy, mapped from shared memory: no worker keeps a copy of its
+    own (each kept one before: three copies of the model on this host with the trainer's, nine at TP=8)."""
+    from hotweights.testing import greedy_hf
+    from hotweights.transports.shm_base import SharedDeltaBase
+
+    hf = copy.deepcopy(tp.a.model)
+    adapter = VLLMMultiprocessAdapter(tp.llm)
+
+    def install(sd: dict[str, torch.Tensor]) -> hotweights.InstallReport:
+        tp.version += 1
+        adapter.active_weight_version = tp.version - 1
+        return adapter.install(WeightUpdateManifest.from_state_dict(sd, weight_version=tp.version), sd, delta=True)
+
+    try:
+        sd = tp.a.state_dict()
+        assert install(sd).delta == "full"
+        base = adapter._delta.base
+        assert isinstance(base, SharedDeltaBase) and base.path.exists()
+        g = torch.Generator().manual_seed(7)
+        for _ in range(2):  # A -> A' -> A'': a few elements of every tensor change, the rest come from the base
+            sd = {n: t + (torch.rand(t.shape, generator=g) < 0.01) * 0.05 for n, t in sd.items()}
+            report = install(sd)
+            assert report.delta == "applied" and report.bytes_sent < 0.1 * report.num_bytes, str(report)
+            hf.load_state_dict(sd)
+            assert greedy_vllm(tp.llm) == greedy_hf(hf)
+            assert base.version == tp.version  # moved by the trainer once both workers committed
+        status = tp.llm.collective_rpc("hotweights_engine", args=("status", "{}"))
+        assert [s["delta_copy_bytes"] for s in status] == [0, 0]  # no private copy on either worker
+        assert [s["delta_shared_base"] for s in status] == [str(base.path)] * 2
+    finally:
+        adapter.forget_delta_base()
+        adapter.close()
+    status = tp.llm.collective_rpc("hotweights_engine", args=("status", "{}"))
+    assert [s["delta_shared_base"] for s in status] == ["", ""]  # unmapped by forget_delta_base
+    tp.install(VLLMMultiprocessAdapter(tp.llm), tp.a)
+    assert greedy_vllm(tp.llm) == tp.a.hf

@@ -609,6 +609,8 @@ class TestWorkerExtension:
             "protocol": PROTOCOL,
             "weights_asleep": False,  # no sleep mode in this process
             "pause_owner": "",
+            "delta_copy_bytes": 0,  # no delta copy yet
+            "delta_shared_base": "",
         }
 
     def test_full_session_installs_every_tensor_once_in_manifest_order(self, recorder: _Recorder) -> None:

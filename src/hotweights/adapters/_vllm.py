@@ -13,7 +13,7 @@ from hotweights.adapters._wires import InProcessWire, Wire
 from hotweights.adapters.base import Items, PrefixCachePolicy, WeightInstallAdapter
 from hotweights.core.buckets import Bucket, default_bucket_bytes, plan_buckets
 from hotweights.core.cast import item_names, lazy_mapping
-from hotweights.core.delta import EncodedDelta, StagedDelta
+from hotweights.core.delta import DeltaBase, EncodedDelta, StagedDelta
 from hotweights.core.errors import (
     DeltaBaseMismatchError,
     EngineNotSupportedError,
@@ -27,6 +27,7 @@ from hotweights.engine.session import SessionOptions, refusal
 from hotweights.handles import EngineHandle, as_engine
 from hotweights.telemetry import best_effort, bucket_progress, logger
 from hotweights.transports import Descriptor, WeightTransport, make_transport
+from hotweights.transports.shm_base import SharedDeltaBase
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -227,7 +228,7 @@ class VLLMSessionAdapter(VLLMEngineAdapter):
     def _install(self, manifest: WeightUpdateManifest, items: Items, timer: PhaseTimer) -> dict[str, Any]:
         if self._verify_now and self.commit == "streaming":
             raise ValueError("verify=True needs commit='atomic': a streaming install keeps no copy of what it wrote")
-        keep = self._delta.tracking and self._keeps_base_on_workers
+        keep = self._delta.tracking and self._keeps_base_on_workers and not self._shares_base
         if self.transport is None:  # in-process: manifest and tensors by reference
             sent = self._sent_manifest(manifest, item_names(items))
             return self._session(sent, self._options(keep_base=keep), (sent, items, None), timer)
@@ -240,11 +241,13 @@ class VLLMSessionAdapter(VLLMEngineAdapter):
     ) -> dict[str, Any]:
         dm = delta.manifest
         wire = dm.wire_manifest(delta.wire if manifest.has_digests else None)
+        shared = self._shared_base() if self._shares_base else None
         options = SessionOptions(
             manifest=wire.to_json() if wire is not None and self.transport is not None else "",
             delta=dm.to_json(),
             method=self.install_method,
-            keep_base=self._keeps_base_on_workers,
+            keep_base=self._keeps_base_on_workers and shared is None,
+            shared_base=shared.descriptor() if shared is not None else None,
         )
         try:
             if self.transport is None:
@@ -258,6 +261,25 @@ class VLLMSessionAdapter(VLLMEngineAdapter):
     def _keeps_base_on_workers(self) -> bool:
         """Whether the workers keep their own copy for deltas (in-process, the trainer's copy is lent instead)."""
         return self.transport is not None
+
+    @property
+    def _shares_base(self) -> bool:
+        """Whether the workers map the trainer's copy from this host's shared memory instead of keeping their own
+        (one copy per host: :mod:`hotweights.transports.shm_base`)."""
+        return self.transport is not None and self.engine.same_host
+
+    def _capture_base(self, items: Items, version: int) -> DeltaBase:
+        if self._shares_base:
+            return SharedDeltaBase.capture(items, version)
+        return super()._capture_base(items, version)
+
+    def _shared_base(self) -> SharedDeltaBase:
+        """The trainer's copy, moved into shared memory if it was taken elsewhere (e.g. by another adapter)."""
+        base = self._delta.base
+        assert base is not None
+        if not isinstance(base, SharedDeltaBase):
+            base = self._delta.base = SharedDeltaBase(base.version, base.tensors)
+        return base
 
     def _session(
         self, sent: WeightUpdateManifest | None, options: SessionOptions, payload: Any, timer: PhaseTimer

@@ -280,7 +280,7 @@ class WeightInstallAdapter(ABC):
         if delta is not None and self._delta.base is not None:
             self._delta.base.commit(delta[1])
         elif self._delta.tracking:
-            self._delta.base = DeltaBase.capture(send, manifest.weight_version)
+            self._delta.base = self._capture_base(send, manifest.weight_version)
         # The new weights are in: from here on the engine serves them, whatever happens next.
         self.reopen_serving()  # a complete install heals a failed one
         self.active_weight_version = manifest.weight_version
@@ -419,6 +419,10 @@ class WeightInstallAdapter(ABC):
         """The version the engine reports now (None: unknown); a delta is refused when it is not the one recorded
         by this adapter's last install."""
         return None
+
+    def _capture_base(self, items: Items, version: int) -> DeltaBase:
+        """The host copy of what was just installed, for later deltas."""
+        return DeltaBase.capture(items, version)
 
     def forget_delta_base(self) -> None:
         """Drop the host copy kept for delta installs (frees the model's size in host memory); the next

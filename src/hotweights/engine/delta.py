@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from hotweights.core.delta import DeltaBase, DeltaManifest, StagedDelta
 from hotweights.core.manifest import TensorSpec, WeightUpdateManifest
+from hotweights.transports.shm_base import MappedBase, map_base
 
 if TYPE_CHECKING:
     from hotweights.engine.staging import InstallSession, StagingArea
@@ -39,25 +40,51 @@ class WorkerBase:
     """What one worker keeps for delta installs."""
 
     tracking: bool = False
-    """Keep a copy of every installed version (set once the trainer uses deltas on this engine)."""
+    """Keep a private copy of every installed version (set once the trainer uses deltas on this engine and cannot
+    share its own copy with this worker)."""
     copy: DeltaBase | None = None
-    """Host copy of the weights this worker serves, with their version; None: a delta is refused."""
+    """The weights this worker serves, with their version, for the open delta or kept privately; None: a delta is
+    refused unless the trainer shares its copy."""
+    served: int | None = None
+    """The version this worker's last complete install put in (None: unknown, e.g. after a failed write)."""
+    mapped: MappedBase | None = None
+    """The trainer's copy, mapped read-only from shared memory (:mod:`hotweights.transports.shm_base`)."""
 
     def remember(self, manifest: WeightUpdateManifest, items: Any) -> None:
-        """After a full install: keep a copy of what was installed (while tracking)."""
+        """After a full install: what it installed, and a private copy of it while tracking."""
+        self.served = manifest.weight_version
         self.copy = DeltaBase.capture(items, manifest.weight_version) if self.tracking else None
 
     def forget(self) -> None:
         """The model changes in a way the copy does not follow (an install starts writing, a streaming one)."""
         self.copy = None
+        self.served = None
 
     def stop(self) -> bool:
-        """Stop tracking and free the copy; True when there was one."""
-        had, self.copy, self.tracking = self.copy is not None, None, False
+        """Stop tracking and free the copy and the mapping; True when there was either."""
+        had = self.copy is not None or self.mapped is not None
+        self.copy, self.mapped, self.tracking = None, None, False
         return had
 
-    def serving(self, delta: DeltaManifest) -> str | None:
-        """What this worker serves when it is not ``delta``'s base (None: it is)."""
+    def share(self, descriptor: dict[str, Any]) -> None:
+        """Use the trainer's copy in shared memory instead of a private one (mapped once per file)."""
+        if self.mapped is None or str(self.mapped.path) != str(descriptor.get("path")):
+            self.mapped = map_base(descriptor)
+        self.tracking = False
+        self.copy = None  # a private copy is no longer needed: free it
+
+    def serving(self, delta: DeltaManifest, shared: bool = False) -> str | None:
+        """What this worker serves when it is not ``delta``'s base (None: it is). With ``shared``, the trainer's
+        mapped copy must hold the delta's base and this worker must have installed that version last."""
+        if shared:
+            assert self.mapped is not None
+            held = self.mapped.version
+            if self.served != delta.base_version:
+                return "a version it did not install" if self.served is None else f"v{self.served}"
+            if held != delta.base_version:
+                return f"v{self.served}, but the trainer's shared copy holds v{held}"
+            self.copy = self.mapped.base()
+            return None
         if self.copy is None:
             return "a version it keeps no copy of"
         return None if self.copy.version == delta.base_version else f"v{self.copy.version}"
@@ -118,6 +145,7 @@ def commit(worker: Any, base: WorkerBase, prepared: Prepared, method: str) -> di
     copy = base.copy
     if copy is None:
         raise RuntimeError(f"delta {delta.update_id}: this worker dropped its copy since prepare")
+    shared = base.mapped is not None and copy.tensors is base.mapped.tensors
     refreshed, ran, reason = 0, "none", "nothing changed"
     if staged.items:
         specs = {n: TensorSpec.of(t) for n, t in staged.items}
@@ -129,7 +157,11 @@ def commit(worker: Any, base: WorkerBase, prepared: Prepared, method: str) -> di
         else:
             refreshed = reload_checkpoint_tensors(worker, staged.items)
         base.copy = copy
-    copy.commit(staged)
+    base.served = staged.version
+    if shared:  # the trainer moves its shared copy once every worker installed the delta
+        base.copy = None
+    else:
+        copy.commit(staged)
     return {
         "tensors": len(staged.items),
         "bytes": staged.nbytes,

@@ -59,6 +59,9 @@ class SessionOptions(pydantic.BaseModel):
     commit: Literal["atomic", "streaming"] = "atomic"
     delta: str | None = pydantic.Field(default=None, max_length=64 << 20)
     """A :class:`~hotweights.core.delta.DeltaManifest` (JSON): apply it to the kept copy instead."""
+    shared_base: dict[str, Any] | None = None
+    """The trainer's copy in shared memory (:meth:`~hotweights.transports.shm_base.SharedDeltaBase.descriptor`):
+    a delta applies to it, and no worker keeps a copy of its own."""
     keep_base: bool = False
     """Keep a host copy of what this session installs, for later deltas (the trainer uses deltas on this engine)."""
     verify: bool = False
@@ -182,6 +185,7 @@ class WorkerSession:
         assert session is not None
         if session.stream is not None:
             refreshed, session = self.staging.finish_stream(session.manifest.update_id)
+            self.base.served = session.manifest.weight_version
         else:
             self.base.forget()  # from the first write until the install is done, the copy is stale
             refreshed = self._write(session, prepared.items)
@@ -267,7 +271,9 @@ class WorkerSession:
 
     def _begin_delta(self, options: SessionOptions, wire: str | WeightUpdateManifest) -> dict[str, Any]:
         delta = DeltaManifest.from_json(options.delta or "")
-        serving = self.base.serving(delta)
+        if options.shared_base is not None:
+            self.base.share(options.shared_base)
+        serving = self.base.serving(delta, shared=options.shared_base is not None)
         if serving is not None:
             return {"ok": False, "serving": serving}
         if not delta.entries:  # no wire to stage: drop what was open here
