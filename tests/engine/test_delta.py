@@ -132,6 +132,16 @@ def test_inprocess_delta_through_install_async(inprocess: Any, trainer: Trainer)
     assert greedy_vllm(inprocess) == trainer.hf(sd)
 
 
+def test_inprocess_delta_that_changes_nothing(inprocess: Any, trainer: Trainer) -> None:
+    """The same weights again: nothing crosses and nothing is written, and the version moves on."""
+    sd = trainer.steps[-1]
+    hotweights.install(inprocess, sd, weight_version=81, delta=True, force=True)  # the base: sd (full, or a delta)
+    report = hotweights.install(inprocess, sd, weight_version=82, delta=True)
+    assert (report.delta, report.delta_changed, report.bytes_sent) == ("applied", 0, 0), str(report)
+    assert inprocess.llm_engine.get_weight_version() == "82"
+    assert greedy_vllm(inprocess) == trainer.hf(sd)
+
+
 # ============================================================================================ multiprocess
 @pytest.fixture(scope="module")
 def multiprocess(trainer: Trainer) -> Iterator[Any]:
@@ -213,3 +223,16 @@ def test_multiprocess_a_to_a_prime_and_faults(multiprocess: Any, trainer: Traine
     report = install(sd, 12)
     assert report.delta == "applied" and report.bytes_sent < 0.1 * report.num_bytes
     assert greedy_vllm(llm) == trainer.hf(sd)
+
+
+def test_multiprocess_delta_that_changes_nothing(multiprocess: Any, trainer: Trainer) -> None:
+    """One worker, nothing to send: no bucket, so the session runs without the one-call path."""
+    adapter = VLLMMultiprocessAdapter(multiprocess, transport="shm")
+    sd = trainer.steps[-1]
+    version = (adapter.active_weight_version or 0) + 1
+    first = adapter.install(WeightUpdateManifest.from_state_dict(sd, weight_version=version), sd, delta=True)
+    assert first.delta in ("full", "applied"), str(first)
+    report = adapter.install(WeightUpdateManifest.from_state_dict(sd, weight_version=version + 1), sd, delta=True)
+    assert (report.delta, report.delta_changed, report.bytes_sent) == ("applied", 0, 0), str(report)
+    assert multiprocess.llm_engine.get_weight_version() == str(version + 1)
+    assert greedy_vllm(multiprocess) == trainer.hf(sd)

@@ -300,7 +300,7 @@ class VLLMSessionAdapter(VLLMEngineAdapter):
                 self._begin_writing(timer)
                 with timer("install"):
                     summaries = self.wire.commit(update_id)
-            elif self.wire.one_call and len(plan) <= 1 and not streaming:
+            elif self.wire.one_call and len(plan) == 1 and not streaming:
                 summaries = self._one_call(options, payload, plan, timer, sent)
             else:
                 with timer("begin"):  # the workers check the manifest and plan the method: refused before any byte
@@ -376,10 +376,7 @@ class VLLMSessionAdapter(VLLMEngineAdapter):
                     f"{refused[0]}. Nothing was written; fix the cause and install again."
                 )
 
-        if not plan:
-            run(payload)
-            return summaries
-        assert self.transport is not None and sent is not None
+        assert self.transport is not None and sent is not None and len(plan) == 1
         start = time.perf_counter()
 
         def deliver(descriptor: Descriptor) -> None:

@@ -176,7 +176,7 @@ class InProcessWire(Wire):
 
 
 def _open_here(
-    worker: Any, options: SessionOptions, manifest: WeightUpdateManifest, tensors: Any, base: DeltaBase | None
+    worker: Any, options: SessionOptions, manifest: WeightUpdateManifest | None, tensors: Any, base: DeltaBase | None
 ) -> None:
     """In the worker: begin, stage by reference, prepare. A delta applies to ``base``, the trainer's own copy lent
     to the worker (one process, one copy)."""
@@ -187,7 +187,8 @@ def _open_here(
     if not opened.get("ok"):
         raise DeltaBaseMismatchError(-1, -1, str(opened.get("serving")))
     update_id = str(opened["update_id"])
-    session.stage_tensors(update_id, tensors)
+    if manifest is not None:  # None: a delta that changes nothing, no wire to stage
+        session.stage_tensors(update_id, tensors)
     problems = session.prepare(update_id)
     if problems:
         raise refusal(problems)
