@@ -1,8 +1,8 @@
 """hotweights: install fresh weights into a running vLLM engine — validated, versioned, fast.
 
 The top level holds the verbs (``install``, ``install_async``, ``connect``, ``adapter_for``, ``weight_version_of``,
-``weight_versions_of``), the types a caller handles (manifests, specs, layouts, reports, ``WORKER_EXTENSION``) and
-every error. The rest lives in its submodule: adapter classes in :mod:`hotweights.adapters`, engine handles in
+``weight_versions_of``), ``Fleet`` (one install into many replicas: :mod:`hotweights.fleet`), the types a caller
+handles (manifests, specs, layouts, reports, ``WORKER_EXTENSION``) and every error. The rest lives in its submodule: adapter classes in :mod:`hotweights.adapters`, engine handles in
 :mod:`hotweights.handles`, transports in :mod:`hotweights.transports`, ``WeightVersions`` in
 :mod:`hotweights.versions`. The former top-level spellings of those (``hotweights.VLLMMultiprocessAdapter``, ...)
 still resolve, to the same objects.
@@ -20,6 +20,8 @@ from hotweights.core.errors import (
     DeltaBaseMismatchError,
     EngineNotSupportedError,
     EngineSleepingError,
+    FleetAbortedError,
+    FleetPartialCommitError,
     HotWeightsError,
     HotWeightsTimeoutError,
     InstallError,
@@ -33,6 +35,7 @@ from hotweights.core.layout import WeightLayout
 from hotweights.core.manifest import ExpectedWeights, TensorSpec, WeightUpdateManifest
 from hotweights.core.report import InstallReport
 from hotweights.engine.compat import WORKER_EXTENSION
+from hotweights.fleet import Fleet
 from hotweights.handles.remote import connect
 from hotweights.versions import weight_version_of, weight_versions_of
 
@@ -44,6 +47,9 @@ __all__ = [
     "EngineNotSupportedError",
     "EngineSleepingError",
     "ExpectedWeights",
+    "Fleet",
+    "FleetAbortedError",
+    "FleetPartialCommitError",
     "HotWeightsError",
     "HotWeightsTimeoutError",
     "InstallError",

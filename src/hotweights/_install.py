@@ -23,6 +23,7 @@ from hotweights.engine.vllm_plugin import BACKEND
 from hotweights.handles import EngineHandle, PauseMode, as_engine
 
 if TYPE_CHECKING:
+    import torch
     from typing_extensions import Unpack
 
 __all__ = ["InstallOptions", "adapter_for", "install", "install_async"]
@@ -191,10 +192,27 @@ def _install(
         raise ValueError("adapter= was built on another engine than the one passed to install; build it on this one")
     handle.set_pause_mode(pause)
     chosen = adapter or adapter_for(engine)
+    items, manifest = update_for(
+        chosen, tensors, weight_version, update_id=update_id, layout=layout, metadata=metadata, digests=digests
+    )
+    return chosen.install(manifest, items, force=force, delta=delta, verify=verify, cast=cast)
+
+
+def update_for(
+    adapter: WeightInstallAdapter,
+    tensors: TensorsLike,
+    weight_version: int,
+    *,
+    update_id: str | None = None,
+    layout: WeightLayout | None = None,
+    metadata: Mapping[str, MetadataValue] | None = None,
+    digests: bool = False,
+) -> tuple[list[tuple[str, torch.Tensor]], WeightUpdateManifest]:
+    """The tensors under the names ``adapter``'s engine loads, and their manifest."""
     items = _as_items(tensors)
-    if chosen.expected is not None:  # transformers 5's fused MoE experts -> the checkpoint's per-expert names
-        items, _ = to_checkpoint(items, chosen.expected.tensors)
+    if adapter.expected is not None:  # transformers 5's fused MoE experts -> the checkpoint's per-expert names
+        items, _ = to_checkpoint(items, adapter.expected.tensors)
     manifest = WeightUpdateManifest.from_state_dict(
         items, weight_version=weight_version, update_id=update_id, layout=layout, metadata=metadata, digests=digests
     )
-    return chosen.install(manifest, items, force=force, delta=delta, verify=verify, cast=cast)
+    return list(items), manifest

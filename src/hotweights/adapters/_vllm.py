@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any, Literal, TypedDict
 
 from hotweights.adapters._wires import InProcessWire, Wire
 from hotweights.adapters.base import Items, PrefixCachePolicy, WeightInstallAdapter
+from hotweights.core import two_phase
 from hotweights.core.buckets import Bucket, default_bucket_bytes, plan_buckets
 from hotweights.core.cast import item_names, lazy_mapping
 from hotweights.core.delta import DeltaBase, EncodedDelta, StagedDelta
@@ -222,7 +223,12 @@ class VLLMSessionAdapter(VLLMEngineAdapter):
     # ------------------------------------------------------------------ the session
     def _options(self, manifest: str = "", **more: Any) -> SessionOptions:
         return SessionOptions(
-            manifest=manifest, method=self.install_method, commit=self.commit, verify=self._verify_now, **more
+            manifest=manifest,
+            method=self.install_method,
+            commit=self.commit,
+            verify=self._verify_now,
+            expires_s=_expiry(),
+            **more,
         )
 
     def _install(self, manifest: WeightUpdateManifest, items: Items, timer: PhaseTimer) -> dict[str, Any]:
@@ -248,6 +254,7 @@ class VLLMSessionAdapter(VLLMEngineAdapter):
             method=self.install_method,
             keep_base=self._keeps_base_on_workers and shared is None,
             shared_base=shared.descriptor() if shared is not None else None,
+            expires_s=_expiry(),
         )
         try:
             if self.transport is None:
@@ -287,8 +294,9 @@ class VLLMSessionAdapter(VLLMEngineAdapter):
         """Run one session: begin, every bucket through the transport, prepare (several workers), commit; abort on
         any failure. ``sent`` describes what crosses (None: a delta that changes nothing)."""
         streaming = options.commit == "streaming" and options.delta is None
+        member = two_phase.current()  # inside a fleet: stop between staged and written (see core.two_phase)
         plan = (
-            plan_buckets(sent, self.bucket_size, whole_layers=streaming)
+            plan_buckets(sent, member.bucket_bytes if member else self.bucket_size, whole_layers=streaming)
             if sent is not None and self.transport is not None
             else []
         )
@@ -297,10 +305,11 @@ class VLLMSessionAdapter(VLLMEngineAdapter):
             if isinstance(self.wire, InProcessWire):  # by reference: begin, stage and prepare in one plain call
                 with timer("begin"):
                     self.wire.open(options, payload)
+                two_phase.commit_point()
                 self._begin_writing(timer)
                 with timer("install"):
                     summaries = self.wire.commit(update_id)
-            elif self.wire.one_call and len(plan) == 1 and not streaming:
+            elif self.wire.one_call and len(plan) == 1 and not streaming and member is None:
                 summaries = self._one_call(options, payload, plan, timer, sent)
             else:
                 with timer("begin"):  # the workers check the manifest and plan the method: refused before any byte
@@ -310,11 +319,12 @@ class VLLMSessionAdapter(VLLMEngineAdapter):
                     raise DeltaBaseMismatchError(-1, -1, refused[0])
                 if sent is not None:
                     self._send(sent, payload, plan, timer, streaming)
-                if self.num_workers > 1:  # every worker ready before any writes
+                if self.num_workers > 1 or member is not None:  # every worker (of every replica) ready first
                     with timer("prepare"):
                         found = [p for worker in self.wire.prepare(update_id) for p in worker]
                     if found:
                         raise refusal(found)
+                two_phase.commit_point()
                 self._begin_writing(timer)
                 with timer("install"):
                     summaries = self.wire.commit(update_id)
@@ -341,7 +351,7 @@ class VLLMSessionAdapter(VLLMEngineAdapter):
                         self._begin_writing(timer)  # this bucket goes into the live model
                     self.wire.stage(sent.update_id, bucket.model_dump_json(), descriptor)
 
-                self.transport.send(bucket, tensors, deliver)
+                two_phase.share(self.transport, bucket, tensors, deliver)
 
     def _one_call(
         self,
@@ -417,6 +427,13 @@ class VLLMSessionAdapter(VLLMEngineAdapter):
     def close(self) -> None:
         if self.transport is not None:
             self.transport.close()
+
+
+def _expiry() -> float | None:
+    """Seconds the workers keep a staged update without a commit: the fleet's staging expiry (None: until the
+    next install opens a session)."""
+    member = two_phase.current()
+    return member.expires_s if member is not None else None
 
 
 def _delta_id(options: SessionOptions) -> str:

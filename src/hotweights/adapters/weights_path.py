@@ -17,6 +17,7 @@ import torch
 
 from hotweights.adapters._vllm import EngineOptions, VLLMEngineAdapter
 from hotweights.adapters.base import Items
+from hotweights.core import two_phase
 from hotweights.core.cast import CastItems
 from hotweights.core.errors import EngineNotSupportedError
 from hotweights.core.manifest import _ST_DTYPES, WeightUpdateManifest, dtype_from_str
@@ -72,6 +73,7 @@ class VLLMWeightsPathAdapter(VLLMEngineAdapter):
         try:
             with timer("pack"):
                 _write_safetensors(directory / CHECKPOINT_FILE, items)
+            two_phase.commit_point()  # inside a fleet: every replica's checkpoint written before any reloads
             self._begin_writing(timer)
             with timer("install"):
                 self.engine.call(

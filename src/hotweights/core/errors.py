@@ -10,7 +10,9 @@ Hierarchy::
     ├── EngineNotSupportedError         no adapter fits this engine (or its mode)
     │   └── EngineSleepingError         the engine is asleep: wake it first
     ├── InstallError                    the engine failed while installing
+    ├── FleetAbortedError               a fleet replica stopped unwritten: another one failed while staging
     ├── PartialUpdateError              generation refused after an install failed while writing
+    │   └── FleetPartialCommitError     a fleet committed on some replicas; the others are fenced
     └── HotWeightsTimeoutError          a wait ran past its timeout (names what it waited for)
 
 Errors from torch or vLLM are mapped with ``raise ... from exc`` so the original stays in the traceback.
@@ -24,12 +26,14 @@ import json
 import re
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import Literal, cast
+from typing import Any, Literal, cast
 
 __all__ = [
     "DeltaBaseMismatchError",
     "EngineNotSupportedError",
     "EngineSleepingError",
+    "FleetAbortedError",
+    "FleetPartialCommitError",
     "HotWeightsError",
     "HotWeightsTimeoutError",
     "InstallError",
@@ -171,6 +175,21 @@ class InstallError(HotWeightsError):
 class PartialUpdateError(HotWeightsError):
     """Generation refused: an install failed after it had started writing, so the engine may hold a mix of old and
     new weights. A successful install (any full update) lifts it; so does ``adapter.reopen_serving()``."""
+
+
+class FleetAbortedError(HotWeightsError):
+    """A replica's install was stopped before it wrote anything because another replica of its fleet failed, or
+    the fleet was aborted: every replica keeps serving its previous version."""
+
+
+class FleetPartialCommitError(PartialUpdateError):
+    """A fleet install passed its point of no return and some replicas failed to commit: they are fenced (their
+    generation raises :class:`PartialUpdateError` until a later install heals them), the others serve the new
+    version. ``report`` (a :class:`~hotweights.fleet.FleetReport`) names both."""
+
+    def __init__(self, message: str, report: Any) -> None:
+        super().__init__(message)
+        self.report = report
 
 
 class HotWeightsTimeoutError(HotWeightsError, TimeoutError):

@@ -19,10 +19,12 @@ drive this one class; they differ only in how its calls reach the worker.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
+import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Literal, cast
+from typing import TYPE_CHECKING, Any, Literal, TypeVar, cast
 
 import pydantic
 import torch
@@ -46,6 +48,9 @@ PROTOCOL = 2
 
 Summary = dict[str, int | str | float]
 
+#: The longest staging expiry a trainer may ask for (seconds): the engine bounds what a caller makes it hold.
+MAX_EXPIRY_S = 3600.0
+
 
 class SessionOptions(pydantic.BaseModel):
     """What ``begin`` opens. Everything is plain JSON: it crosses every RPC without pickle."""
@@ -66,6 +71,9 @@ class SessionOptions(pydantic.BaseModel):
     """Keep a host copy of what this session installs, for later deltas (the trainer uses deltas on this engine)."""
     verify: bool = False
     """After the commit, read the live parameters back and compare them with what was staged."""
+    expires_s: float | None = pydantic.Field(default=None, gt=0, le=MAX_EXPIRY_S)
+    """Drop what was staged if no commit came within this many seconds (a fleet's trainer that died between stage
+    and commit); None: kept until the next ``begin``. At most :data:`MAX_EXPIRY_S`."""
 
     @classmethod
     def parse(cls, text: str) -> SessionOptions:
@@ -73,6 +81,20 @@ class SessionOptions(pydantic.BaseModel):
             return cls.model_validate_json(text)
         except pydantic.ValidationError as exc:
             raise ValueError(f"malformed session options: {exc.error_count()} error(s): {exc.errors()[:3]}") from None
+
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _locked(method: F) -> F:
+    """Run ``method`` under the session's lock (the staging expiry runs on a timer thread)."""
+
+    @functools.wraps(method)
+    def run(self: WorkerSession, *args: Any, **kwargs: Any) -> Any:
+        with self._lock:
+            return method(self, *args, **kwargs)
+
+    return cast(F, run)
 
 
 class WorkerSession:
@@ -87,8 +109,13 @@ class WorkerSession:
         self.delta: DeltaManifest | None = None
         self.prepared: delta_state.Prepared | None = None
         self.base = delta_state.WorkerBase()
+        self._lock = threading.RLock()
+        self._expiry: threading.Timer | None = None
+        self.expired: list[str] = []
+        """Updates dropped by their staging expiry (most recent last, at most 16)."""
 
     # ------------------------------------------------------------------ the protocol
+    @_locked
     def begin(self, options: str | SessionOptions, manifest: WeightUpdateManifest | None = None) -> dict[str, Any]:
         """Open a session. Returns ``{"ok": True, "update_id", "method", "reason"}``, or ``{"ok": False,
         "serving": ...}`` for a delta whose base this worker does not hold. Refuses (raises) malformed options and a
@@ -105,7 +132,35 @@ class WorkerSession:
         opened = self._begin_delta(options, given) if options.delta is not None else self._begin_full(options, given)
         if opened.get("ok") and options.keep_base:
             self.base.tracking = True
+        if opened.get("ok"):
+            self._arm(str(opened["update_id"]), options.expires_s)
         return opened
+
+    def _arm(self, update_id: str, seconds: float | None) -> None:
+        """Expire ``update_id``'s staging after ``seconds`` without a commit (none: cancel any expiry)."""
+        if self._expiry is not None:
+            self._expiry.cancel()
+            self._expiry = None
+        if seconds is not None:
+            self._expiry = threading.Timer(seconds, self._expire, (update_id, seconds))
+            self._expiry.daemon = True
+            self._expiry.start()
+
+    def _expire(self, update_id: str, seconds: float) -> None:
+        with self._lock:
+            if self.update_id != update_id:
+                return  # committed or aborted meanwhile
+            self.abort(update_id)
+            self.expired = [*self.expired[-15:], update_id]
+        log.warning(
+            "hotweights: update %s was staged but not committed within %g s: dropped; this worker keeps serving "
+            "what it served",
+            update_id,
+            seconds,
+        )
+        from hotweights.transports.shm import sweep_stale
+
+        sweep_stale()  # the bucket files of a trainer that is gone
 
     def _begin_full(self, options: SessionOptions, given: str | WeightUpdateManifest) -> dict[str, Any]:
         chosen: list[Any] = []
@@ -143,14 +198,17 @@ class WorkerSession:
         """The new session replaces whatever was open (its staging was dropped by ``StagingArea.begin``)."""
         self.options, self.update_id, self.delta, self.prepared = options, update_id, delta, None
 
+    @_locked
     def stage(self, update_id: str, bucket_json: str, descriptor: dict[str, Any]) -> int:
         """Receive one bucket through its transport and check it against the manifest; returns the bytes staged."""
         return self.staging.stage(update_id, bucket_json, descriptor)
 
+    @_locked
     def stage_tensors(self, update_id: str, tensors: TensorsLike) -> int:
         """Stage every tensor of the update by reference (an in-process engine: nothing is copied)."""
         return self.staging.stage_by_reference(update_id, tensors)
 
+    @_locked
     def prepare(self, update_id: str) -> list[dict[str, str]]:
         """Make the open session ready to commit without writing: every tensor arrived; a delta is checked
         completely and rebuilt aside. Returns the problems found in a delta (as
@@ -169,6 +227,7 @@ class WorkerSession:
             self.prepared = delta_state.Prepared(*self._take(update_id))
         return []
 
+    @_locked
     def commit(self, update_id: str) -> Summary:
         """Install what was prepared (preparing first if needed) and close the session; the summary names the
         method that ran and why, what was checked after transit and, with ``verify``, what was read back."""
@@ -179,6 +238,7 @@ class WorkerSession:
         prepared = self.prepared
         assert prepared is not None
         self.options = self.prepared = self.delta = self.update_id = None
+        self._arm(update_id, None)
         if options.delta is not None:
             return delta_state.commit(self.worker, self.base, prepared, options.method)
         session = prepared.session
@@ -206,6 +266,7 @@ class WorkerSession:
             summary["readback_seconds"] = time.perf_counter() - start
         return summary
 
+    @_locked
     def abort(self, update_id: str | None = None) -> bool:
         """Drop the open session (only ``update_id``'s when given); before ``commit`` the model was never touched
         (a streaming session puts its incomplete layers back)."""
@@ -213,8 +274,10 @@ class WorkerSession:
             return self.staging.abort(update_id)
         had = self.update_id is not None
         self.options = self.prepared = self.delta = self.update_id = None
+        self._arm("", None)
         return self.staging.abort(update_id) or had
 
+    @_locked
     def install(
         self,
         options: str | SessionOptions,

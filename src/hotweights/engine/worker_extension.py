@@ -83,10 +83,12 @@ class HotWeightsWorkerExtension:
 def _status(worker: Any) -> dict[str, Any]:
     """The extension is loaded and speaks :data:`~hotweights.engine.session.PROTOCOL`; whether vLLM's sleep mode
     holds this worker's weights (a paused scheduler alone does not); who recorded the engine's pause; the bytes of
-    this worker's own delta copy, and the trainer's shared copy it maps (``""``: none)."""
+    this worker's own delta copy, and the trainer's shared copy it maps (``""``: none); the install session open
+    (``""``: none) and the last updates dropped by their staging expiry."""
     from hotweights.engine.compat import weights_asleep_here
 
-    base = session_of(worker).base
+    session = session_of(worker)
+    base = session.base
     own = base.copy is not None and (base.mapped is None or base.copy.tensors is not base.mapped.tensors)
     return {
         "hotweights": "hotweights",
@@ -95,6 +97,8 @@ def _status(worker: Any) -> dict[str, Any]:
         "pause_owner": str(getattr(worker, "_hotweights_pause_owner", "")),
         "delta_copy_bytes": base.copy.nbytes if own and base.copy is not None else 0,
         "delta_shared_base": str(base.mapped.path) if base.mapped is not None else "",
+        "session": session.update_id or "",
+        "expired": list(session.expired),
     }
 
 

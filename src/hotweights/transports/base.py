@@ -46,6 +46,14 @@ class WeightTransport(ABC):
     name: ClassVar[str]
     #: Bucket size this transport moves fastest (adapters use it unless given one; capped by free memory).
     preferred_bucket_bytes: ClassVar[int] = 64 << 20
+    #: Whether one packed bucket can be staged by several engines (a fleet writes it once for all of them): True
+    #: for transports that keep nothing per engine between installs.
+    shareable: bool = False
+
+    @property
+    def share_key(self) -> str:
+        """Engines whose transports have the same key can share one copy of each bucket (e.g. one host)."""
+        return self.name
 
     @abstractmethod
     def send(self, bucket: Bucket, tensors: Mapping[str, torch.Tensor], stage: Stage) -> None:

@@ -20,6 +20,7 @@ class Transport(WeightTransport):
     """Raw bucket bytes in the RPC message."""
 
     name = "bytes"
+    shareable = True  # packed once, then each engine's RPC carries it
     preferred_bucket_bytes = (
         16 << 20
     )  # under vLLM's ~24 MB shared-memory message ring; larger messages are copied several times on their way

@@ -381,6 +381,7 @@ class Transport(WeightTransport):
         sweep_stale()
         self.keep_segments = keep_segments is True
         """True: segments stay mapped in the workers between installs (``keep_segments=True``)."""
+        self.shareable = not self.keep_segments  # one file, mapped by every engine on this host
         self._kept: dict[int, _Segment] = {}  # bucket index (or 0 for all) -> its segment, reused by every install
         self._engine: EngineLink | None = None
         self._one_segment = False
