@@ -2,10 +2,10 @@
 
 The top level holds the verbs (``install``, ``install_async``, ``connect``, ``adapter_for``, ``weight_version_of``,
 ``weight_versions_of``), ``Fleet`` (one install into many replicas: :mod:`hotweights.fleet`), the types a caller
-handles (manifests, specs, layouts, reports, ``WORKER_EXTENSION``) and every error. The rest lives in its submodule: adapter classes in :mod:`hotweights.adapters`, engine handles in
-:mod:`hotweights.handles`, transports in :mod:`hotweights.transports`, ``WeightVersions`` in
-:mod:`hotweights.versions`. The former top-level spellings of those (``hotweights.VLLMMultiprocessAdapter``, ...)
-still resolve, to the same objects.
+handles (manifests, specs, layouts, reports, ``WORKER_EXTENSION``) and every error. The rest lives in its
+submodule: adapter classes in :mod:`hotweights.adapters`, engine handles in :mod:`hotweights.handles`, transports
+in :mod:`hotweights.transports`, ``WeightVersions`` in :mod:`hotweights.versions`. The former top-level spellings
+of those (``hotweights.VLLMMultiprocessAdapter``, ...) still resolve, to the same objects.
 
 Example:
     >>> import hotweights                                                            # doctest: +SKIP
