@@ -323,9 +323,37 @@ def weight_transfer_backend(llm: Any) -> str:
 
 
 def num_workers(llm: Any) -> int:
-    """Worker processes of the engine (tensor x pipeline parallel size)."""
+    """Worker processes of the engine (tensor x pipeline parallel size, times the data-parallel ranks an
+    ``AsyncLLM`` drives itself: see :func:`dp_engines`)."""
     parallel = _llm_engine(llm).vllm_config.parallel_config
-    return int(parallel.world_size)
+    return int(parallel.world_size) * max(1, len(dp_engines(llm)))
+
+
+def dp_engines(engine: Any) -> list[Any]:
+    """The engine cores an ``AsyncLLM`` started with ``data_parallel_size > 1`` drives (one per DP rank it
+    manages), or ``[]`` for one engine core.
+
+    vLLM 0.32's data-parallel client (``DPLBAsyncMPClient``) sends every utility call, ``collective_rpc`` included,
+    to every rank, but returns rank 0's answer only (``call_utility_async`` -> ``call_utility_all_async(...)[0]``):
+    a refusal or read-back from another rank would be lost. :func:`collective_rpc_all` asks every rank and keeps
+    every answer.
+    """
+    client = getattr(engine, "engine_core", None)
+    cores = getattr(client, "core_engines", None)
+    if not isinstance(cores, list) or len(cores) < 2 or not hasattr(client, "call_utility_all_async"):
+        return []
+    return cores
+
+
+async def collective_rpc_all(
+    engine: Any, method: str, timeout: float | None, args: tuple[Any, ...], kwargs: dict[str, Any] | None
+) -> list[Any]:
+    """``collective_rpc`` on every worker of every data-parallel rank of an ``AsyncLLM``: one answer per worker,
+    rank by rank (a single engine core: what ``collective_rpc`` returns)."""
+    if not dp_engines(engine):
+        return list(await engine.collective_rpc(method, timeout, args, kwargs))
+    per_rank = await engine.engine_core.call_utility_all_async("collective_rpc", method, timeout, args, kwargs)
+    return [answer for rank in per_rank for answer in rank]
 
 
 def rpc(

@@ -91,7 +91,8 @@ class AsyncLLMHandle(EngineHandle):
         self, method: str, *args: Any, timeout: float | None = None, kwargs: dict[str, Any] | None = None
     ) -> list[Any]:
         wait = None if timeout is None else timeout + 5.0  # vLLM's own timeout fires first
-        return list(self.run(self.engine.collective_rpc(method, timeout, args, kwargs), wait, f"{method!r}"))
+        # every worker of every data-parallel rank, each answering (vLLM's own call returns rank 0's answers only)
+        return self.run(compat.collective_rpc_all(self.engine, method, timeout, args, kwargs), wait, f"{method!r}")
 
     def expected_weights(self) -> ExpectedWeights | None:
         return expected_weights(self.engine)
@@ -125,7 +126,9 @@ class AsyncLLMHandle(EngineHandle):
         compat.on_shutdown(self.engine, callback)
 
     def describe(self) -> str:
-        return f"AsyncLLM ({self.num_workers} worker(s), pause={self.pause_mode!r})"
+        ranks = len(compat.dp_engines(self.engine))
+        dp = f", {ranks} data-parallel ranks" if ranks else ""
+        return f"AsyncLLM ({self.num_workers} worker(s){dp}, pause={self.pause_mode!r})"
 
 
 class PauseGate:
