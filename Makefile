@@ -2,7 +2,7 @@
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.hotweights-installed
-EXTRAS ?= cpu,dev,trl,docs
+EXTRAS ?= cpu,dev,trl,docs,ray
 
 .PHONY: setup test test-slow test-matrix soak demo bench lint clean
 

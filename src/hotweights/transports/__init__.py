@@ -5,7 +5,8 @@ Built-ins, each a sibling module with a trainer-side ``WeightTransport`` and an 
 - ``shm``: buckets written once into private shared-memory files that the workers map without a copy (same host);
 - ``bytes``: raw bucket bytes inside the RPC message (works wherever vLLM's RPC reaches; the fallback);
 - ``collective``: a ``torch.distributed`` broadcast from the trainer to the workers (gloo on CPU, NCCL on GPU);
-- ``cuda_ipc``: buckets packed on the trainer's GPU, opened by workers on the same GPU through CUDA IPC handles.
+- ``cuda_ipc``: buckets packed on the trainer's GPU, opened by workers on the same GPU through CUDA IPC handles;
+- ``ray``: each bucket put into Ray's object store once, fetched by every engine actor (engines in Ray actors).
 
 Modules are imported on first use. ``register_transport`` adds one; a name registered twice or unknown raises.
 """
@@ -71,3 +72,4 @@ register_transport("shm", "hotweights.transports.shm")
 register_transport("bytes", "hotweights.transports.bytes")
 register_transport("collective", "hotweights.transports.collective")
 register_transport("cuda_ipc", "hotweights.transports.cuda_ipc")
+register_transport("ray", "hotweights.transports.ray")

@@ -35,7 +35,7 @@ import stat
 import time
 import uuid
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -45,7 +45,16 @@ import torch
 from hotweights.core.buckets import Bucket, byte_views, pack_into
 from hotweights.transports.base import Descriptor, EngineLink, Stage, WeightTransport
 
-__all__ = ["REUSE_BUDGET", "REUSE_ENV", "SHM_DIR", "Transport", "open_bucket", "release_segments", "sweep_stale"]
+__all__ = [
+    "REUSE_BUDGET",
+    "REUSE_ENV",
+    "SHM_DIR",
+    "Transport",
+    "open_bucket",
+    "published",
+    "release_segments",
+    "sweep_stale",
+]
 
 logger = logging.getLogger("hotweights")
 
@@ -503,6 +512,22 @@ class Transport(WeightTransport):
             self._forget([seg])
         finally:
             seg.close()
+
+
+@contextlib.contextmanager
+def published(data: memoryview) -> Iterator[Descriptor]:
+    """``data`` (one packed bucket, e.g. fetched from elsewhere) in a fresh private file that this host's workers
+    map; its descriptor, and the file removed on exit."""
+    _, path, fd = _new_file(max(data.nbytes, 1))
+    try:
+        try:
+            if data.nbytes:
+                _write(fd, [data.cast("B")])
+        finally:
+            os.close(fd)
+        yield {"transport": "shm", "path": str(path), "nbytes": data.nbytes}
+    finally:
+        _remove(path)
 
 
 _SEGMENT_ID = re.compile(r"[0-9a-f]{32}")

@@ -1,0 +1,148 @@
+"""The handle of an engine hosted in a Ray actor (trainer side): every call goes to the actor's
+``hotweights_handle`` method (:class:`hotweights.integrations.ray.EngineActor`), which runs it on the engine's own
+handle there; buckets travel through Ray's object store (:mod:`hotweights.transports.ray`).
+
+The actor's engine must be started with hotweights' worker extension (any engine kind that accepts it). Calls carry
+strings, JSON and ``ObjectRef`` s: Ray's serializer moves them, and nothing of hotweights is pickled.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any, ClassVar
+
+from hotweights.core.errors import HotWeightsTimeoutError
+from hotweights.core.manifest import ExpectedWeights, TensorSpec
+from hotweights.handles.base import EngineHandle, PauseMode
+
+__all__ = ["RayEngineHandle"]
+
+#: Seconds for the actor's small calls (status, prefix cache, version, the gate).
+SHORT_TIMEOUT = 60.0
+
+
+class RayEngineHandle(EngineHandle):
+    """An engine in a Ray actor, reached from any process of the cluster (the driver, or a trainer actor).
+
+    Args:
+        actor: the ``ActorHandle`` of an :class:`~hotweights.integrations.ray.EngineActor`.
+        timeout: seconds for the actor's small calls.
+    """
+
+    kind: ClassVar[str] = "ray"
+    pause_modes: ClassVar[tuple[PauseMode, ...]] = ("wait",)
+
+    def __init__(self, actor: Any, *, timeout: float = SHORT_TIMEOUT) -> None:
+        self.actor = actor
+        self.timeout = timeout
+        info = self._run("describe", timeout=timeout)
+        if not isinstance(info, dict) or info.get("hotweights") != "hotweights":
+            raise TypeError(f"{actor!r} is not a hotweights EngineActor (its describe answered {info!r})")
+        self.info: dict[str, Any] = info
+        self._gate = RayGate(self)
+
+    def _run(self, op: str, *args: Any, timeout: float | None = None) -> Any:
+        import ray
+        from ray.exceptions import GetTimeoutError
+
+        ref = self.actor.hotweights_handle.remote(op, *args)
+        try:
+            return ray.get(ref, timeout=timeout)
+        except GetTimeoutError as exc:
+            ray.cancel(ref)
+            raise HotWeightsTimeoutError(
+                f"the engine actor did not finish {op!r} within {timeout} s; check the actor is alive (a threaded "
+                "actor, max_concurrency >= 2, serves installs while it generates)"
+            ) from exc
+
+    @property
+    def num_workers(self) -> int:
+        return int(self.info["num_workers"])
+
+    @property
+    def worker_extension(self) -> str:
+        return str(self.info["worker_extension"])
+
+    @property
+    def weight_transfer_backend(self) -> str:
+        return str(self.info.get("weight_transfer_backend", ""))
+
+    @property
+    def same_host(self) -> bool:
+        return False  # the actor's process maps its own host's memory: buckets go through the object store
+
+    @property
+    def same_hotweights(self) -> bool:
+        return False  # the actor may run another hotweights: the protocol is checked
+
+    @property
+    def default_transport(self) -> str:
+        return "ray"
+
+    def call(
+        self, method: str, *args: Any, timeout: float | None = None, kwargs: dict[str, Any] | None = None
+    ) -> list[Any]:
+        wait = None if timeout is None else timeout + 5.0  # the actor's own timeout fires first
+        return list(self._run("call", method, list(args), kwargs, timeout, timeout=wait))
+
+    def expected_weights(self) -> ExpectedWeights | None:
+        text = self.info.get("expected")
+        if not text:
+            return None
+        data = json.loads(text)
+        tensors = {n: TensorSpec.model_validate(s) for n, s in data["tensors"].items()}
+        return ExpectedWeights(tensors=tensors, ignored=dict(data.get("ignored", {})))
+
+    @property
+    def gate(self) -> RayGate:
+        return self._gate
+
+    def reset_prefix_cache(self) -> bool:
+        return bool(self._run("reset_prefix_cache", timeout=self.timeout))
+
+    def set_weight_version(self, version: str) -> str | None:
+        answer = self._run("set_weight_version", version, timeout=self.timeout)
+        return None if answer is None else str(answer)
+
+    def get_weight_version(self) -> str | None:
+        answer = self._run("get_weight_version", timeout=self.timeout)
+        return None if answer is None else str(answer)
+
+    def is_sleeping(self) -> bool:
+        return bool(self._run("is_sleeping", timeout=self.timeout))
+
+    def clear_kv_cache(self) -> int | None:
+        answer = self._run("clear_kv_cache", timeout=self.timeout)
+        return None if answer is None else int(answer)
+
+    def describe(self) -> str:
+        node = str(self.info.get("node", "?"))[:8]
+        return f"Ray actor {self.info.get('actor', '?')} on node {node} ({self.info.get('engine')})"
+
+
+class RayGate:
+    """The :class:`~hotweights.core.gate.WriteGate` of an engine actor: the actor holds its own engine's gate from the
+    install's first write to its end (with a bound: a trainer gone mid-write leaves the actor refusing generation,
+    not waiting)."""
+
+    def __init__(self, handle: RayEngineHandle) -> None:
+        self.handle = handle
+        self.refusal: str | None = None
+
+    @contextmanager
+    def installing(self, timeout: float | None = None) -> Iterator[float]:
+        waited = float(self.handle._run("gate_enter", timeout, timeout=None if timeout is None else timeout + 5.0))
+        try:
+            yield waited
+        finally:
+            self.handle._run("gate_exit", timeout=self.handle.timeout)
+
+    def refuse(self, reason: str) -> None:
+        self.refusal = reason
+        self.handle._run("gate_refuse", reason, timeout=self.handle.timeout)
+
+    def reopen(self) -> None:
+        self.refusal = None
+        self.handle._run("gate_reopen", timeout=self.handle.timeout)
