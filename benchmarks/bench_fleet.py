@@ -11,11 +11,12 @@ alternates installs of B and A (one untimed warm-up, then ``--repeats`` timed, m
 
 After the last install every replica's greedy tokens must equal HF's on that checkpoint (exit 1 otherwise).
 
-Cost model: calibrated on this machine from the one-replica installs only (trainer write, workers' stage, install,
-the rest as fixed cost; ``host_parallelism`` = this machine's cores), it predicts N = 1, 2, 3; the error printed is
-(predicted - measured) / measured.
+Cost model: calibrated on this machine from the one-replica fleet installs only (trainer write, workers' stage,
+install; the rest is the trainer's calls into that replica, ``per_replica_s``; ``host_parallelism`` = this machine's
+cores), it predicts N = 1, 2, 3; the error printed is (predicted - measured) / measured. "fleet / one install" divides
+by one plain ``hotweights.install`` into one engine (the ``separate 1`` median).
 
-Run: ``.venv/bin/python benchmarks/bench_fleet.py [--models 150m,many] [--repeats 3] [--ray] [--size tiny]``.
+Run: ``.venv/bin/python benchmarks/bench_fleet.py [--models 150m,many] [--repeats 5] [--ray] [--size tiny]``.
 """
 
 from __future__ import annotations
@@ -145,11 +146,11 @@ def bench_model(name: str, size: str, repeats: int, tmp: Path) -> tuple[list[dic
             )
             if n == 1:
                 write_s = max(row["transfer_s"] - row["stage_s"], 1e-6)
-                calibration = {
+                calibration = {  # everything but the transfer and the install: the trainer's calls into it
                     "write_gbps": nbytes / write_s / 1e9,
                     "stage_gbps": nbytes / max(row["stage_s"], 1e-6) / 1e9,
                     "install_gbps": nbytes / max(row["install_s"], 1e-6) / 1e9,
-                    "fixed_s": max(row["fleet_s"] - row["transfer_s"] - row["install_s"], 0.0),
+                    "per_replica_s": max(row["fleet_s"] - row["transfer_s"] - row["install_s"], 0.0),
                 }
         ok = True
         for llm in llms:
@@ -158,8 +159,10 @@ def bench_model(name: str, size: str, repeats: int, tmp: Path) -> tuple[list[dic
             if got != want:
                 print(f"[{name}] MISMATCH: a replica's greedy tokens differ from HF's on the installed checkpoint")
                 ok = False
-        cal = Calibration(**calibration, per_bucket_s=0.0, host_parallelism=os.cpu_count() or 1, machine="this machine")
-        single = rows[0]["fleet_s"]
+        cores = os.cpu_count() or 1
+        cal = Calibration(**calibration, per_bucket_s=0.0, fixed_s=0.0, host_parallelism=cores, machine="this one")
+        print(f"[{name}] calibration from the one-replica installs: {cal}", flush=True)
+        single = rows[0]["separate_s"]  # one plain hotweights.install into one engine
         for row in rows:
             bucket = hotweights.adapter_for(llms[0]).bucket_size  # type: ignore[attr-defined]
             pred = estimate(
@@ -224,7 +227,7 @@ def bench_ray(name: str, size: str, repeats: int, tmp: Path, local_s: float) -> 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default="150m,many")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--size", choices=("full", "tiny"), default="full")
     parser.add_argument("--ray", action="store_true", help="also time a fleet of 2 engines in Ray actors")
     args = parser.parse_args()

@@ -200,3 +200,16 @@ def test_bad_calibration_names_the_field(field: str) -> None:
 def test_zero_overheads_allowed() -> None:
     e = estimate(GB, per_bucket_s=0.0, fixed_s=0.0)
     assert e.overhead_s == 0
+
+
+def test_the_trainer_pays_per_replica() -> None:
+    from hotweights.fleet import Calibration, estimate
+
+    cal = Calibration(
+        write_gbps=1.0, stage_gbps=1.0, install_gbps=1.0, per_bucket_s=0.0, fixed_s=0.0, per_replica_s=0.1
+    )
+    one, four = estimate(10**9, calibration=cal), estimate(10**9, replicas_per_host=4, calibration=cal)
+    # 4 replicas on one host with host_parallelism 1: stage and install stretch 4x, plus 3 more replicas' calls
+    assert four.overhead_s - one.overhead_s == pytest.approx(0.3)
+    with pytest.raises(ValueError, match="per_replica_s"):
+        estimate(10**9, per_replica_s=-1.0)

@@ -178,3 +178,14 @@ def test_outside_a_fleet_commit_point_returns_and_share_sends() -> None:
     two_phase.commit_point()
     two_phase.share(transport, buckets[0], tensors, got.append)
     assert transport.sent == [0] and got == [{"transport": "counting", "index": 0}]
+
+
+def test_a_member_that_returns_without_stopping_is_not_waited_for_and_is_named() -> None:
+    coordinator = two_phase.Coordinator(2, staging_timeout=5.0)
+    outcomes, threads = run_members(coordinator, [two_phase.commit_point, lambda: "installed at once"])
+    coordinator.wait_staged(2.0)  # does not hang on the member that never reached the commit point
+    assert coordinator.unstopped == {1}
+    assert coordinator.decide("commit")
+    for t in threads:
+        t.join(5.0)
+    assert outcomes == [None, "installed at once"]

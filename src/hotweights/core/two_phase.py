@@ -61,6 +61,8 @@ class Coordinator:
         self.staged: set[int] = set()
         self.finished: set[int] = set()
         self.failures: dict[int, BaseException] = {}
+        self.unstopped: set[int] = set()
+        """Replicas whose install returned without reaching the commit point (an adapter that does not take part)."""
         self.decision: Decision | None = None
         self.reason = ""
         self._groups: dict[int, _Group] = {}
@@ -108,6 +110,9 @@ class Coordinator:
     def done(self, index: int) -> None:
         with self._cond:
             self.finished.add(index)
+            if index not in self.staged and index not in self.failures:  # installed without stopping: never wait
+                self.unstopped.add(index)  # for it (the fleet reports it; no adapter of hotweights does this)
+                self.staged.add(index)
             self._cond.notify_all()
 
     # ------------------------------------------------------------------ the fleet's side

@@ -26,7 +26,7 @@ host-memory contention factor and ``bw = link_gbps * links_per_host`` a host's n
     period    = max(t_write, t_network, t_stage, (t_write + t_network + t_stage) / buckets_in_flight)
     transfer  = (n - 1) * period + (t_write + t_network + t_stage)
     install   = c * model_bytes / install_gbps
-    overhead  = ceil(n) * per_bucket_s + fixed_s
+    overhead  = ceil(n) * per_bucket_s + fixed_s + replicas_per_host * hosts * per_replica_s
     total     = transfer + install + overhead
 
 *Pipelining.* In steady state a new bucket finishes every ``period`` seconds: no faster than the slowest stage, and,
@@ -46,8 +46,10 @@ whatever the host count; the model keeps the store-and-forward figure, an upper 
 install at full speed at once, more stretch both by ``replicas_per_host / host_parallelism``. Writes are not
 contended (one copy per host), nor is the network stage slowed by host memory.
 
-*Overheads.* ``per_bucket_s`` (coordination round trips per bucket, counted on the critical path, not overlapped)
-and ``fixed_s`` (set-up, barriers, the commit round).
+*Overheads.* ``per_bucket_s`` (coordination round trips per bucket, counted on the critical path, not overlapped),
+``fixed_s`` (set-up, barriers, the commit round) and ``per_replica_s`` (what the trainer spends per replica: its
+begin, prepare, commit, prefix-cache and version calls, and the threads that issue them, which share the trainer's
+cores; counted once per replica of the fleet).
 """
 
 from __future__ import annotations
@@ -89,6 +91,7 @@ class Calibration:
         fixed_s: Cost per install independent of size, seconds.
         host_parallelism: Replicas on one host that stage or install at full speed at once.
         machine: Where the figures come from.
+        per_replica_s: The trainer's cost per replica (its calls into that replica), seconds.
     """
 
     write_gbps: float
@@ -98,12 +101,14 @@ class Calibration:
     fixed_s: float
     host_parallelism: int = 1
     machine: str = "unspecified"
+    per_replica_s: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("write_gbps", "stage_gbps", "install_gbps"):
             _positive(name, getattr(self, name))
         _non_negative("per_bucket_s", self.per_bucket_s)
         _non_negative("fixed_s", self.fixed_s)
+        _non_negative("per_replica_s", self.per_replica_s)
         _positive_int("host_parallelism", self.host_parallelism)
 
 
@@ -139,7 +144,7 @@ class FleetEstimate:
         stage_s: One host's replicas staging every bucket, contention included.
         transfer_s: Write, network and stage pipelined.
         install_s: One host's replicas installing, contention included.
-        overhead_s: Per-bucket and fixed overheads.
+        overhead_s: Per-bucket, per-replica and fixed overheads.
         total_s: The whole install.
         bytes_written: Bytes landed in host memory: one copy per host-local group.
         bytes_sent: Bytes crossing the network.
@@ -205,6 +210,7 @@ def estimate(
     per_bucket_s: float | None = None,
     fixed_s: float | None = None,
     host_parallelism: int | None = None,
+    per_replica_s: float | None = None,
     fanout: Literal["tree", "star"] = "tree",
     calibration: Calibration = CALIBRATION,
 ) -> FleetEstimate:
@@ -226,6 +232,7 @@ def estimate(
         per_bucket_s: Coordination cost per bucket, seconds.
         fixed_s: Cost per install, seconds.
         host_parallelism: Replicas per host that stage or install at full speed at once.
+        per_replica_s: The trainer's cost per replica, seconds.
         fanout: ``"tree"`` (Ray's object store or a broadcast: copies double each round) or ``"star"`` (the trainer
             sends every copy itself).
         calibration: Where the rates left as None come from.
@@ -252,6 +259,8 @@ def estimate(
     per_bucket = calibration.per_bucket_s if per_bucket_s is None else per_bucket_s
     fixed = calibration.fixed_s if fixed_s is None else fixed_s
     parallelism = calibration.host_parallelism if host_parallelism is None else host_parallelism
+    per_replica = calibration.per_replica_s if per_replica_s is None else per_replica_s
+    _non_negative("per_replica_s", per_replica)
     _positive("write_gbps", write)
     _positive("stage_gbps", stage)
     _positive("install_gbps", install)
@@ -283,7 +292,7 @@ def estimate(
         period, bottleneck = fill / buckets_in_flight, "in_flight"
     transfer_s = (gigabytes / bucket - 1) * period + fill
     install_s = contention * gigabytes / install
-    overhead_s = buckets * per_bucket + fixed
+    overhead_s = buckets * per_bucket + fixed + per_replica * replicas_per_host * hosts
 
     return FleetEstimate(
         model_bytes=model_bytes,

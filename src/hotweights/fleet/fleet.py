@@ -273,6 +273,13 @@ class _Run:
 
     def report(self) -> FleetReport:
         engines = tuple(e.describe() for e in self.fleet.engines)
+        for i in sorted(self.coordinator.unstopped):
+            logger.error(
+                "hotweights: fleet replica %d (%s) installed without stopping at the commit point: it did not wait "
+                "for the other replicas",
+                i,
+                engines[i],
+            )
         reports: list[InstallReport | None] = []
         fenced: list[Fenced] = []
         sent = self.coordinator.bytes_written
