@@ -611,6 +611,8 @@ class TestWorkerExtension:
             "pause_owner": "",
             "delta_copy_bytes": 0,  # no delta copy yet
             "delta_shared_base": "",
+            "session": "",  # no install session open
+            "expired": [],  # none dropped by a staging expiry
         }
 
     def test_full_session_installs_every_tensor_once_in_manifest_order(self, recorder: _Recorder) -> None:
