@@ -198,7 +198,7 @@ def test_bad_calibration_names_the_field(field: str) -> None:
 
 
 def test_zero_overheads_allowed() -> None:
-    e = estimate(GB, per_bucket_s=0.0, fixed_s=0.0)
+    e = estimate(GB, per_bucket_s=0.0, fixed_s=0.0, per_replica_s=0.0)
     assert e.overhead_s == 0
 
 

@@ -112,16 +112,17 @@ class Calibration:
         _positive_int("host_parallelism", self.host_parallelism)
 
 
-# measured by benchmarks/bench_fleet.py on <machine>: placeholders for now, plausible for a 2-core CPU machine
-# writing /dev/shm; to be replaced with measured figures.
+# measured by benchmarks/bench_fleet.py on this project's 2-core CPU machine (2026-12-02): one replica, the 150m
+# fp32 model (612 MB) through /dev/shm; the trainer's calls into a replica are ``per_replica_s``.
 CALIBRATION = Calibration(
-    write_gbps=2.0,
-    stage_gbps=3.0,
-    install_gbps=1.5,
-    per_bucket_s=0.002,
-    fixed_s=0.030,
+    write_gbps=4.70,
+    stage_gbps=27.5,
+    install_gbps=1.70,
+    per_bucket_s=0.0,
+    fixed_s=0.0,
     host_parallelism=2,
-    machine="placeholder: 2-core CPU machine, /dev/shm",
+    machine="2-core CPU machine, /dev/shm, 150m fp32 (bench_fleet.py, 2026-12-02)",
+    per_replica_s=0.00075,
 )
 
 
