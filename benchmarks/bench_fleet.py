@@ -3,8 +3,9 @@ trainer wrote, the cost model's predictions (``hotweights.fleet.estimate``) agai
 ``--ray``, a fleet of 2 engines in Ray actors against the local path.
 
 Per model ("150m": ~150M-param fp32 Qwen2, 147 tensors, 612 MB; "many": 291 small tensors, 15 MB) it starts three
-multiprocess engines with hotweights' worker extension on checkpoint A (their workers bound to cores 0, 1, 0), then
-alternates installs of B and A (one untimed warm-up, then ``--repeats`` timed, medians):
+multiprocess engines with hotweights' worker extension on checkpoint A (their workers bound to cores 0, 1, 0;
+``--bind nobind``: left to the OS), then alternates installs of B and A (one untimed warm-up, then ``--repeats``
+timed, medians):
 
 - ``fleet N``: ``Fleet(replicas[:N]).install(...)`` (two phases; one shm copy of each bucket for the N);
 - ``separate N``: ``hotweights.install`` into each of the N replicas, one after the other.
@@ -65,10 +66,15 @@ class StageClock:
         adapter.wire.stage = timed  # type: ignore[method-assign]
 
 
+#: How replicas' workers are bound to cores: ``"spread"`` (replica i on core ``i % cores``) or ``"nobind"`` (left
+#: to the OS scheduler). vLLM's default binds every engine's worker to core 0, whatever the number of cores.
+BIND = {"mode": "spread"}
+
+
 def start_replica(path: Path, index: int) -> Any:
-    """A multiprocess engine with the extension, its worker bound to core ``index % cores`` (vLLM's default binds
-    every engine's worker to core 0, so replicas would share one core however many the machine has)."""
-    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = str(index % (os.cpu_count() or 1))
+    """A multiprocess engine with the extension, its worker bound as :data:`BIND` says."""
+    spread = str(index % (os.cpu_count() or 1))
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = spread if BIND["mode"] == "spread" else "nobind"
     try:
         return start_engine(path, multiprocess=True, worker_extension_cls=hotweights.WORKER_EXTENSION)
     finally:
@@ -230,7 +236,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--size", choices=("full", "tiny"), default="full")
     parser.add_argument("--ray", action="store_true", help="also time a fleet of 2 engines in Ray actors")
+    parser.add_argument("--bind", choices=("spread", "nobind"), default="spread", help="replicas' core binding")
     args = parser.parse_args()
+    BIND["mode"] = args.bind
     ok = True
     rows: list[dict[str, Any]] = []
     ray_rows: list[dict[str, Any]] = []
