@@ -287,9 +287,9 @@ class _Run:
             outcome = self.outcomes.get(i)
             if isinstance(outcome, InstallReport):
                 reports.append(outcome)
-                grouped = self.coordinator.group_of(i) is not None
-                if not grouped and isinstance(a, (VLLMSessionAdapter, VLLMWeightsPathAdapter)):
-                    sent += 0 if getattr(a, "transport", True) is None else outcome.bytes_sent
+                by_reference = isinstance(a, VLLMSessionAdapter) and a.transport is None  # in-process: nothing sent
+                if self.coordinator.group_of(i) is None and not by_reference:
+                    sent += outcome.bytes_sent
             else:
                 reports.append(None)
                 why = f"{type(outcome).__name__}: {outcome}" if outcome is not None else "did not finish"
