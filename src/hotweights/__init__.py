@@ -30,6 +30,7 @@ from hotweights.core.errors import (
     StaleWeightVersionError,
     UnsupportedLayoutError,
     WeightManifestValidationError,
+    WeightVersionUnknownError,
 )
 from hotweights.core.layout import WeightLayout
 from hotweights.core.manifest import ExpectedWeights, TensorSpec, WeightUpdateManifest
@@ -62,6 +63,7 @@ __all__ = [
     "WeightLayout",
     "WeightManifestValidationError",
     "WeightUpdateManifest",
+    "WeightVersionUnknownError",
     "adapter_for",
     "connect",
     "install",

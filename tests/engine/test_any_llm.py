@@ -253,3 +253,66 @@ def test_a_thread_driving_llm_engine_by_hand_never_steps_during_an_install(
         assert all(batch in (a.fresh, b.fresh) for batch in batches), "a batch mixed two versions"
     finally:
         stop_engine(llm)
+
+
+def test_a_three_prompt_generate_loop_from_before_any_hotweights_call_never_deadlocks_an_install(
+    checkpoint: Callable[[Variant, int], TinyCheckpoint],
+) -> None:
+    """Issue 26, as seen: a thread loops ``llm.generate([p1, p2, p3])`` from before hotweights ever saw the engine;
+    the main thread installs v1..v8, alternating B and A. The first install used to close the gate while a call sat
+    between its first and second request (the first unseen, in the engine): the install waited for the engine to go
+    idle, the call waited at the gate for its second request, for 600 s. Now every install completes after the
+    running call, and no call mixes two versions."""
+    from vllm import SamplingParams
+
+    a, b = checkpoint(VARIANT, 1), checkpoint(VARIANT, 2)
+    three = PROMPTS[:3]
+    llm = start_engine(a.path, multiprocess=False)
+    try:
+        sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, detokenize=False)
+        expect = {tuple(map(tuple, ck.fresh[:3])) for ck in (a, b)}
+        add = llm.llm_engine.add_request
+
+        def slow_add(*args: Any, **kwargs: Any) -> Any:  # a prompt that takes a while to render (before hotweights)
+            try:
+                return add(*args, **kwargs)
+            finally:
+                time.sleep(0.03)
+
+        llm.llm_engine.add_request = slow_add  # widens the window between a call's requests: the race, every time
+        stop, outputs, errors = threading.Event(), [], []
+
+        def loop() -> None:
+            try:
+                while not stop.is_set():
+                    outs = llm.generate([{"prompt_token_ids": list(p)} for p in three], sp, use_tqdm=False)
+                    outputs.append(tuple(tuple(o.outputs[0].token_ids) for o in outs))
+            except BaseException as exc:
+                errors.append(exc)
+
+        generating = threading.Thread(target=loop, daemon=True)
+        generating.start()
+        while not outputs and not errors:
+            time.sleep(0.005)
+        reports: list[Any] = []
+
+        def installs() -> None:
+            try:
+                for version in range(1, 9):
+                    ckpt = b if version % 2 else a
+                    reports.append(hotweights.install(llm, ckpt.state_dict(), weight_version=version))
+            except BaseException as exc:
+                errors.append(exc)
+
+        installer = threading.Thread(target=installs, daemon=True)
+        installer.start()
+        installer.join(timeout=180)
+        assert not installer.is_alive(), f"install deadlocked after {len(reports)} of 8"
+        stop.set()
+        generating.join(timeout=60)
+        assert not generating.is_alive() and errors == []
+        assert len(reports) == 8 and [r.weight_version for r in reports] == list(range(1, 9))
+        assert all(out in expect for out in outputs), "a call mixed two versions"
+        assert greedy_vllm(llm) == a.fresh  # version 8 is A
+    finally:
+        stop_engine(llm)

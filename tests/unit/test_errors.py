@@ -22,6 +22,7 @@ from hotweights import (
     StaleWeightVersionError,
     UnsupportedLayoutError,
     WeightManifestValidationError,
+    WeightVersionUnknownError,
 )
 from hotweights.core import errors as errors_module
 from hotweights.core.errors import MismatchKind
@@ -38,6 +39,7 @@ PUBLIC_ERRORS = [
     StaleWeightVersionError,
     UnsupportedLayoutError,
     WeightManifestValidationError,
+    WeightVersionUnknownError,
 ]
 
 ALL_KINDS: tuple[str, ...] = typing.get_args(MismatchKind)

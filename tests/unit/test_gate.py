@@ -173,3 +173,74 @@ def test_holds_released_out_of_order_leave_the_thread_counted_again() -> None:
         time.sleep(0.1)
         assert blocked.is_alive()  # another thread waits for the install
     blocked.join(5)
+
+
+class _SlowAddLLM(_FakeLLM):
+    """A fake whose generate pauses after each request it adds, like ``LLM.generate`` rendering its next prompt."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.added = threading.Event()
+        self.go_on = threading.Event()
+
+    def generate(self, n: int) -> list[int]:
+        for i in range(n):
+            self.llm_engine.add_request(i)
+            self.added.set()
+            self.go_on.wait(5)
+        return self._run_engine()
+
+
+def test_a_call_between_its_requests_when_the_first_install_starts_is_not_deadlocked() -> None:
+    """Issue 26: a generate call that added its first request before the gate existed, then the install closed the
+    gate. The install waits for that call to finish (on the old weights) instead of each waiting for the other."""
+    from hotweights.engine import compat
+
+    llm = _SlowAddLLM()
+    result: list[list[int]] = []
+    thread = threading.Thread(target=lambda: result.append(llm.generate(3)))  # before any hotweights call
+    thread.start()
+    assert llm.added.wait(5)  # its first request is in the engine, unseen
+    gate = compat.serving_gate(llm)
+    threading.Timer(0.1, llm.go_on.set).start()  # it adds the next two while the install drains
+    t0 = time.perf_counter()
+    with gate.installing(timeout=5.0) as waited:
+        assert result == [[0, 1, 2]] and llm.requests == []  # the whole call ran before the install wrote
+    thread.join(5)
+    assert waited < 2.0 and time.perf_counter() - t0 < 2.0
+
+
+def test_a_request_added_on_one_thread_and_stepped_on_another_does_not_hold_the_gate() -> None:
+    """Issue 26: the hold taken where a request was added is released by the step, on another thread, that left
+    the engine with nothing to run; a later install does not wait for it."""
+    from hotweights.engine import compat
+
+    llm = _FakeLLM()
+    gate = compat.serving_gate(llm)
+    adder = threading.Thread(target=lambda: llm.llm_engine.add_request(5))
+    adder.start()
+    adder.join(5)
+    stepper = threading.Thread(target=llm.llm_engine.step)
+    stepper.start()
+    stepper.join(5)
+    assert not gate.joined
+    t0 = time.perf_counter()
+    with gate.installing(timeout=1.0):
+        pass
+    assert time.perf_counter() - t0 < 0.5
+
+
+def test_a_join_waits_for_an_install_that_is_writing() -> None:
+    """Once the install has drained the engine, work added outside a gated call waits for the install."""
+    llm_busy = threading.Event()
+    gate = ServingGate(idle=lambda: not llm_busy.is_set())
+    joined = threading.Event()
+    with gate.installing(timeout=1.0):
+        t = threading.Thread(target=lambda: (gate.join(), joined.set()))
+        t.start()
+        time.sleep(0.1)
+        assert not joined.is_set()  # the engine is idle: this is new work, it waits
+    t.join(5)
+    assert joined.is_set()
+    gate.leave_all()
+    assert not gate.joined

@@ -28,6 +28,7 @@ from hotweights.core.errors import (
     InstallError,
     StaleWeightVersionError,
     WeightManifestValidationError,
+    WeightVersionUnknownError,
 )
 from hotweights.core.gate import WriteGate
 from hotweights.core.layout import SUPPORTED_FORMATS
@@ -338,7 +339,12 @@ class WeightInstallAdapter(ABC):
         self, manifest: WeightUpdateManifest, items: Items, force: bool
     ) -> tuple[Items, list[tuple[str, str]]]:
         manifest.layout.validate_supported(self.formats, self.sharded)
-        active = self.active_weight_version
+        try:
+            active = self._version.checked()
+        except Exception as exc:  # never "no version": an older update would pass
+            if not force:
+                raise WeightVersionUnknownError(manifest.weight_version, exc) from exc
+            active = None
         if active is not None and manifest.weight_version <= active and not force:
             raise StaleWeightVersionError(manifest.weight_version, active)
         checked = isinstance(items, CastItems)  # by _cast, against the caller's own manifest and bytes

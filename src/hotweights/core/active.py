@@ -26,8 +26,9 @@ class ActiveVersion:
 
     Args:
         read: returns the version the engine recorded (a string, e.g. vLLM's ``"default"`` before any install, or
-            ``"5"``); read once, on first use. A value that is not a whole number reads as None. Errors read as None
-            too (an engine that cannot say has no version to refuse against).
+            ``"5"``); read on first use. A value that is not a whole number reads as None (no version yet). A read
+            that raises is never taken for "no version": it is retried on the next use, and :meth:`checked` raises
+            until one succeeds.
     """
 
     def __init__(self, read: Callable[[], str | None] | None = None) -> None:
@@ -36,24 +37,25 @@ class ActiveVersion:
         self._seeded = read is None
         self._lock = threading.Lock()
 
-    @property
-    def value(self) -> int | None:
+    def checked(self) -> int | None:
+        """The version, reading the engine's if it was never read; raises what the read raised."""
         if not self._seeded:
             with self._lock:
-                if not self._seeded:
-                    self._value = _parse(self._read)
+                if not self._seeded and self._read is not None:
+                    text = self._read()
+                    self._value = int(text) if isinstance(text, str) and text.strip().isdecimal() else None
                     self._seeded = True
         return self._value
+
+    @property
+    def value(self) -> int | None:
+        """The version, or None while it is unknown (a failed read is retried on the next use)."""
+        try:
+            return self.checked()
+        except Exception:
+            return None
 
     @value.setter
     def value(self, version: int | None) -> None:
         with self._lock:
             self._value, self._seeded = version, True
-
-
-def _parse(read: Callable[[], str | None] | None) -> int | None:
-    try:
-        text = read() if read is not None else None
-    except Exception:
-        return None
-    return int(text) if isinstance(text, str) and text.strip().isdecimal() else None

@@ -42,6 +42,7 @@ __all__ = [
     "StaleWeightVersionError",
     "UnsupportedLayoutError",
     "WeightManifestValidationError",
+    "WeightVersionUnknownError",
     "engine_refusal",
 ]
 
@@ -142,6 +143,19 @@ class StaleWeightVersionError(HotWeightsError):
         super().__init__(
             f"weight_version {requested} is not newer than the active version {active}; nothing was written. "
             "Pass a larger weight_version (e.g. the optimizer step), or force=True to install it anyway."
+        )
+
+
+class WeightVersionUnknownError(HotWeightsError):
+    """The engine's weight version could not be read, so an older ``weight_version`` could not be told from a newer
+    one; nothing was written. The next install asks again."""
+
+    def __init__(self, requested: int, cause: BaseException) -> None:
+        self.requested = requested
+        super().__init__(
+            f"could not read the engine's weight version to check v{requested} against it "
+            f"({type(cause).__name__}: {cause}); nothing was written. Retry (the version is read again), or pass "
+            "force=True to install without the stale-version check."
         )
 
 

@@ -47,6 +47,16 @@ class WriteGate(Protocol):
 class ServingGate:
     """Many generation calls, or one install.
 
+    Generation enters in one of two ways. A gated call (``llm.generate``) holds :meth:`serving` for its whole length.
+    Work that reaches the engine outside a gated call (``llm.llm_engine.add_request``, from a call that began before
+    the gate existed or from code that drives the engine by hand) takes a hold with :meth:`join`, which any thread may
+    release (:meth:`leave`, :meth:`leave_all`): the thread that steps the engine is not always the one that added.
+
+    An install closes the gate to new calls, waits for the held ones, then *drains*: it waits for the engine's own
+    unfinished work (``idle``). While it drains, work that joins is let in, because the engine is busy with work the
+    gate never saw and the caller may be that very call, adding its next request: keeping it out would leave the
+    install waiting for a call that waits for the install. Every wait is bounded by the timeout it was given.
+
     Example:
         >>> gate = ServingGate()
         >>> with gate.serving():
@@ -64,8 +74,10 @@ class ServingGate:
         self._cond = threading.Condition()
         self._serving = 0
         self._installing = False
+        self._draining = False
         self._waiting_installs = 0
         self._owner: int | None = None
+        self._joined: set[int] = set()  # threads holding a join() hold
         self._local = threading.local()  # how deep this thread is in serving(): nested calls pass through
         self.refusal: str | None = None
         """Why generation is refused (set by :meth:`refuse`), or None."""
@@ -80,13 +92,17 @@ class ServingGate:
         with self._cond:
             self.refusal = None
 
+    def passes(self) -> bool:
+        """Whether a call from this thread passes through without waiting: it is the installing thread, or it is
+        inside a held :meth:`serving` call or :meth:`join` hold."""
+        me = threading.get_ident()
+        return self._owner == me or getattr(self._local, "depth", 0) > 0 or me in self._joined
+
     @contextmanager
     def serving(self, timeout: float | None = None) -> Iterator[None]:
         """Held by a generation call; waits while an install runs or waits."""
-        me = threading.get_ident()
-        depth = getattr(self._local, "depth", 0)
-        if self._owner == me or depth:  # the installing thread's own check, or a call inside a held one
-            self._local.depth = depth + 1
+        if self.passes():  # the installing thread's own check, or a call inside a held one
+            self._local.depth = getattr(self._local, "depth", 0) + 1
             try:
                 yield
             finally:
@@ -107,18 +123,67 @@ class ServingGate:
                 self._serving -= 1
                 self._cond.notify_all()
 
-    def _wait_idle(self, start: float, timeout: float | None) -> None:
-        """With the gate held (no new gated call can start), wait for the engine's own unfinished work."""
-        if self._idle is None:
-            return
-        while not self._idle():
-            if timeout is not None and time.perf_counter() - start > timeout:
-                raise HotWeightsTimeoutError(
-                    f"install waited {timeout} s for the engine's unfinished requests (generation started outside "
-                    "hotweights' gate, e.g. before the first install or through llm.llm_engine) to finish; raise "
-                    "lock_timeout or install between rollouts"
-                )
-            time.sleep(self._poll)
+    def join(self, timeout: float | None = None) -> bool:
+        """Hold the gate for work entering the engine outside a gated call, until :meth:`leave` (from any thread).
+
+        Waits while an install runs or waits, except while the install drains the engine's unseen work: then the
+        work joins that (it runs on the old weights, and the install waits for it too). Returns False when this
+        thread passes through (:meth:`passes`) and took no hold.
+        """
+        if self.passes():
+            return False
+        deadline = None if timeout is None else time.perf_counter() + timeout
+        me = threading.get_ident()
+        with self._cond:
+            while (self._installing or self._waiting_installs) and not (self._draining and not self._idle_now()):
+                left = None if deadline is None else deadline - time.perf_counter()
+                if left is not None and left <= 0:
+                    raise HotWeightsTimeoutError(f"generation waited {timeout} s for a weight install to finish")
+                self._cond.wait(self._poll if self._draining else left)
+            if self.refusal is not None:
+                raise PartialUpdateError(self.refusal)
+            self._serving += 1
+            self._joined.add(me)
+        return True
+
+    @property
+    def joined(self) -> bool:
+        """Whether any :meth:`join` hold is held."""
+        return bool(self._joined)
+
+    def leave(self, thread: int | None = None) -> None:
+        """Release the :meth:`join` hold of ``thread`` (default: the calling thread), if it holds one."""
+        with self._cond:
+            self._leave(threading.get_ident() if thread is None else thread)
+
+    def leave_all(self) -> None:
+        """Release every :meth:`join` hold: the engine has no unfinished work, so none of them covers any."""
+        with self._cond:
+            for thread in list(self._joined):
+                self._leave(thread)
+
+    def _leave(self, thread: int) -> None:
+        if thread in self._joined:
+            self._joined.discard(thread)
+            self._serving -= 1
+            self._cond.notify_all()
+
+    def _idle_now(self) -> bool:
+        return self._idle is None or bool(self._idle())
+
+    def _drain(self, start: float, timeout: float | None) -> None:
+        """With the gate closed to new calls, wait for the engine's own unfinished work and for the work that
+        joined it meanwhile (:meth:`join`)."""
+        with self._cond:
+            while self._serving or not self._idle_now():
+                if timeout is not None and time.perf_counter() - start > timeout:
+                    raise HotWeightsTimeoutError(
+                        f"install waited {timeout} s for the engine's unfinished requests (generation started "
+                        "outside hotweights' gate, e.g. before the first install or through llm.llm_engine) to "
+                        "finish; raise lock_timeout or install between rollouts"
+                    )
+                self._cond.wait(self._poll)
+            self._draining = False
 
     @contextmanager
     def installing(self, timeout: float | None = None) -> Iterator[float]:
@@ -137,12 +202,14 @@ class ServingGate:
                     "raise lock_timeout or install between rollouts"
                 )
             self._installing = True
+            self._draining = True
             self._owner = threading.get_ident()
         try:
-            self._wait_idle(start, timeout)
+            self._drain(start, timeout)
             yield time.perf_counter() - start
         finally:
             with self._cond:
                 self._installing = False
+                self._draining = False
                 self._owner = None
                 self._cond.notify_all()

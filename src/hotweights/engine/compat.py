@@ -383,11 +383,11 @@ def serving_gate(llm: Any) -> ServingGate:
 
     The methods are wrapped on this ``LLM`` instance only (``llm.generate`` etc.), so that a generation call in
     one thread and an install in another never overlap. A call that had already looked the method up before the
-    gate existed is caught where it adds its requests: ``llm.llm_engine.add_request`` enters the gate too, and a
-    thread that entered it there holds it until its ``_run_engine`` returns (its requests run on one version), or,
-    stepping ``llm.llm_engine`` by hand, until a step leaves the engine with nothing to run. Requests already
-    running when the gate is made are waited for: an install also waits until the engine has no unfinished
-    requests. Idempotent.
+    gate existed, or code that drives ``llm.llm_engine`` by hand, is caught where it adds requests:
+    ``llm.llm_engine.add_request`` joins the gate (:meth:`ServingGate.join`) until the adding thread's
+    ``_run_engine`` returns or a step on any thread leaves the engine with nothing to run. Requests already running
+    when an install starts are waited for (the install drains the engine), and a call among them may add its next
+    requests meanwhile, so it never waits for the install that waits for it. Idempotent.
     """
     gate = getattr(llm, "_hotweights_gate", None)
     if isinstance(gate, ServingGate):
@@ -416,26 +416,27 @@ def _gated(method: Any, gate: ServingGate) -> Any:
 
 
 def _gate_requests(llm: Any, gate: ServingGate) -> None:
-    """Gate ``llm_engine.add_request``: a thread that adds a request outside a gated call holds the gate from then
-    until its ``llm._run_engine`` returns, or, driving ``llm_engine.step()`` by hand, until a step leaves the engine
-    with no unfinished requests."""
+    """Gate ``llm_engine.add_request``: work added outside a gated call holds the gate (:meth:`ServingGate.join`)
+    until the adding thread's ``llm._run_engine`` returns, or until a step on any thread leaves the engine with no
+    unfinished requests (a request may be added on one thread and stepped on another)."""
     engine = getattr(llm, "llm_engine", None)
     add, step = getattr(engine, "add_request", None), getattr(engine, "step", None)
     run = getattr(llm, "_run_engine", None)
     if not callable(add) or not callable(step) or not callable(run):
         return
-    held = threading.local()
+
+    def release_if_idle() -> None:
+        if gate.joined and not has_unfinished_requests(llm):
+            gate.leave_all()
 
     @functools.wraps(add)
     def add_request(*args: Any, **kwargs: Any) -> Any:
-        if getattr(held, "context", None) is None:
-            context = gate.serving()
-            context.__enter__()  # waits while an install runs; a thread already serving passes through
-            held.context = context
+        held = gate.join()  # waits while an install runs, unless it drains work this call may belong to
         try:
             return add(*args, **kwargs)
         except BaseException:
-            _release(held)
+            if held:
+                gate.leave()
             raise
 
     @functools.wraps(step)
@@ -443,25 +444,19 @@ def _gate_requests(llm: Any, gate: ServingGate) -> None:
         try:
             return step(*args, **kwargs)
         finally:
-            if getattr(held, "context", None) is not None and not has_unfinished_requests(llm):
-                _release(held)
+            release_if_idle()
 
     @functools.wraps(run)
     def run_engine(*args: Any, **kwargs: Any) -> Any:
         try:
             return run(*args, **kwargs)
         finally:
-            _release(held)
+            gate.leave()
+            release_if_idle()
 
     engine.add_request = add_request  # type: ignore[union-attr]
     engine.step = step_engine  # type: ignore[union-attr]
     llm._run_engine = run_engine
-
-
-def _release(held: threading.local) -> None:
-    context, held.context = getattr(held, "context", None), None
-    if context is not None:
-        context.__exit__(None, None, None)
 
 
 # ------------------------------------------------------------------------------------------- fixes inside vLLM
