@@ -7,6 +7,7 @@ import threading
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Literal, TypedDict
 
+from hotweights._family import check_family
 from hotweights.adapters.base import WeightInstallAdapter
 from hotweights.adapters.inprocess import VLLMInProcessWeightReloadAdapter
 from hotweights.adapters.multiprocess import VLLMMultiprocessAdapter
@@ -14,6 +15,7 @@ from hotweights.adapters.native import VLLMWeightTransferAdapter
 from hotweights.adapters.weights_path import VLLMWeightsPathAdapter
 from hotweights.core.cast import Cast
 from hotweights.core.errors import EngineNotSupportedError
+from hotweights.core.families import Unproven
 from hotweights.core.layout import WeightLayout
 from hotweights.core.manifest import MetadataValue, TensorsLike, WeightUpdateManifest, _as_items
 from hotweights.core.names import to_checkpoint
@@ -83,6 +85,7 @@ class InstallOptions(TypedDict, total=False):
     delta: bool
     verify: bool | Literal["strict"] | None
     cast: Cast | None
+    unproven: Unproven | None
 
 
 def install(
@@ -91,8 +94,10 @@ def install(
     """Install ``tensors`` (checkpoint format, or ``model.state_dict()`` as transformers holds it) into a running
     engine.
 
-    A transformers 5 MoE model's fused experts (``mlp.experts.gate_up_proj`` ``[E, 2I, H]``, ``down_proj``) are
-    mapped to the per-expert checkpoint names the engine loads, as views (:func:`hotweights.core.names.to_checkpoint`).
+    Names transformers 5 holds in memory but not in checkpoints (a MoE model's fused experts
+    ``mlp.experts.gate_up_proj`` ``[E, 2I, H]`` and ``down_proj``, Mixtral's ``mlp``, GraniteMoE's, ERNIE 4.5's, ...)
+    are mapped to the checkpoint names the engine loads with transformers' own conversion rules for the engine's
+    model type, as views where a view suffices (:func:`hotweights.core.names.to_checkpoint`).
     Builds the manifest, validates it against the tensors and the engine, installs through the adapter that fits
     the engine (see :func:`adapter_for`; the report names it), resets the prefix cache, records the version in the
     engine and returns the report. ``digests=True`` hashes every tensor so the engine verifies the bytes it
@@ -123,10 +128,20 @@ def install(
             from then on the engine's handle keeps a host copy of what the engine serves (the model's size in host
             memory; the workers of a multiprocess engine keep one each, an in-process engine shares the trainer's).
             ``report.bytes_sent`` says what crossed.
+        unproven: what to do with a model family the conformance matrix has not proven on this vLLM and device
+            (``report.family_check`` says which it was): ``"probe"`` (default, or ``$HOTWEIGHTS_UNPROVEN``) scores
+            the engine on a short probe against the sent tensors after the first install into each engine, before
+            generation is let back in, and fails closed on a difference (engines that cannot be scored from here,
+            e.g. an ``AsyncLLM``, refuse instead); ``"refuse"`` refuses before writing; ``"trust"`` installs
+            unchecked. See ``docs/architectures.md``.
 
     Raises:
         WeightManifestValidationError: the tensors do not match what the engine serves; nothing was written.
         StaleWeightVersionError: ``weight_version`` is not newer than the active one (pass ``force=True``).
+        UnprovenFamilyError: the model's family is not proven on this vLLM and device and cannot be probed from
+            here (or ``unproven="refuse"``); nothing was written.
+        FamilyProbeError: the first install of an unproven family left the engine scoring the probe off the sent
+            tensors; generation fails closed.
         DeltaBaseMismatchError: ``delta=True``, but the engine does not serve the version the delta was computed
             against (someone else installed); nothing was written: install with ``delta=False``.
         EngineNotSupportedError: ``engine`` is not an engine hotweights reaches (or is an ``AsyncLLM``).
@@ -186,6 +201,7 @@ def _install(
     delta: bool = False,
     verify: bool | Literal["strict"] | None = None,
     cast: Cast | None = None,
+    unproven: Unproven | None = None,
 ) -> InstallReport:
     handle: EngineHandle = as_engine(engine)
     if adapter is not None and getattr(adapter, "engine", handle) is not handle:
@@ -195,7 +211,8 @@ def _install(
     items, manifest = update_for(
         chosen, tensors, weight_version, update_id=update_id, layout=layout, metadata=metadata, digests=digests
     )
-    return chosen.install(manifest, items, force=force, delta=delta, verify=verify, cast=cast)
+    family = check_family(handle, items, unproven)
+    return chosen.install(manifest, items, force=force, delta=delta, verify=verify, cast=cast, family=family)
 
 
 def update_for(
@@ -210,8 +227,9 @@ def update_for(
 ) -> tuple[list[tuple[str, torch.Tensor]], WeightUpdateManifest]:
     """The tensors under the names ``adapter``'s engine loads, and their manifest."""
     items = _as_items(tensors)
-    if adapter.expected is not None:  # transformers 5's fused MoE experts -> the checkpoint's per-expert names
-        items, _ = to_checkpoint(items, adapter.expected.tensors)
+    expected = adapter.expected
+    if expected is not None:  # transformers 5's in-memory names (fused MoE experts, ...) -> the checkpoint's
+        items, _ = to_checkpoint(items, expected.tensors, expected.model_type, architectures=expected.architectures)
     manifest = WeightUpdateManifest.from_state_dict(
         items, weight_version=weight_version, update_id=update_id, layout=layout, metadata=metadata, digests=digests
     )

@@ -50,6 +50,7 @@ Arch = Literal[
     "qwen3_moe",
     "mixtral",
     "qwen2_moe",
+    "gpt_oss",
 ]
 T = TypeVar("T")
 
@@ -72,7 +73,7 @@ ARCHS: tuple[str, ...] = get_args(Arch)
 #: process (the trainer's too). Run their engines multiprocess.
 TRANSFORMERS_BACKEND: tuple[str, ...] = ("olmo2",)
 #: The mixture-of-experts ones among them.
-MOE_ARCHS: tuple[str, ...] = ("qwen3_moe", "mixtral", "qwen2_moe")
+MOE_ARCHS: tuple[str, ...] = ("qwen3_moe", "mixtral", "qwen2_moe", "gpt_oss")
 #: Gemma's embedding scaling and logit soft-capping saturate with large random weights (A and B then give the same
 #: tokens): their default init std is this much smaller.
 _STD_SCALE = {"gemma2": 0.1, "gemma3": 0.1}
@@ -96,7 +97,8 @@ def tiny_config(
 
     head_dim = hidden / heads must be >= 32 for CPU attention. ``experts``, ``experts_per_token`` and
     ``moe_intermediate`` apply to the MoE architectures (:data:`MOE_ARCHS`; ``qwen2_moe`` also gets a shared
-    expert of ``intermediate`` width).
+    expert of ``intermediate`` width). ``gpt_oss`` alternates sliding-window (16 tokens, shorter than the longest of
+    :data:`PROMPTS`) and full attention layers, with attention sinks and biased experts.
     """
     import transformers
 
@@ -122,7 +124,7 @@ def tiny_config(
         max_position_embeddings=512,
         **common,
     )
-    if arch in ("qwen3", "qwen3_moe", "gemma2", "gemma3"):
+    if arch in ("qwen3", "qwen3_moe", "gemma2", "gemma3", "gpt_oss"):
         decoder["head_dim"] = hidden // heads
     if arch == "qwen3_moe":
         decoder.update(
@@ -139,6 +141,24 @@ def tiny_config(
         decoder.update(
             num_local_experts=experts, num_experts_per_tok=experts_per_token, intermediate_size=moe_intermediate
         )
+    elif arch == "gpt_oss":
+        decoder.update(
+            num_local_experts=experts,
+            num_experts_per_tok=experts_per_token,
+            intermediate_size=moe_intermediate,
+            sliding_window=16,
+            layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)],
+            # YaRN as GPT-OSS ships it, scaled to max_position_embeddings (factor = 512 / 128)
+            rope_parameters=dict(
+                rope_type="yarn",
+                rope_theta=150000.0,
+                factor=4.0,
+                original_max_position_embeddings=128,
+                beta_fast=32.0,
+                beta_slow=1.0,
+                truncate=False,
+            ),
+        )
     classes = {
         "qwen2": "Qwen2Config",
         "llama": "LlamaConfig",
@@ -151,6 +171,7 @@ def tiny_config(
         "qwen3_moe": "Qwen3MoeConfig",
         "mixtral": "MixtralConfig",
         "qwen2_moe": "Qwen2MoeConfig",
+        "gpt_oss": "GptOssConfig",
     }
     return getattr(transformers, classes[arch])(**decoder)
 
@@ -178,6 +199,8 @@ def build_tiny_model(
                 p.copy_(torch.randn(p.shape, generator=gen) * scale)
             elif name.endswith("bias"):
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+            elif name.endswith("sinks"):  # GPT-OSS attention sinks: one logit per head
+                p.copy_(torch.randn(p.shape, generator=gen))
     return model.to(dtype).eval()
 
 

@@ -84,7 +84,9 @@ def _fp32_cpu_llm(**kwargs: Any) -> Any:
     return LLM(**kwargs, dtype="float32", enforce_eager=True, kv_cache_memory_bytes=64 << 20)
 
 
-def _train(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *, steps: int, peft: bool) -> tuple[Any, Any, list[Sync]]:
+def _train(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *, steps: int, peft: bool, arch: str = "qwen2"
+) -> tuple[Any, Any, list[Sync]]:
     """Train ``steps`` GRPO steps; every sync TRL asks for goes through hotweights and is checked right after."""
     import trl.generation.vllm_generation as vg
     from datasets import Dataset
@@ -92,7 +94,8 @@ def _train(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *, steps: int, peft:
 
     monkeypatch.setattr(vg, "LLM", _fp32_cpu_llm)
     tokenizer = _tokenizer()
-    path = save_tiny_model(build_tiny_model("qwen2", seed=0, vocab=len(tokenizer)), tmp_path / "policy")
+    model = build_tiny_model(arch, seed=0, vocab=len(tokenizer))  # type: ignore[arg-type]
+    path = save_tiny_model(model, tmp_path / "policy")
     tokenizer.save_pretrained(path)  # vLLM loads the tokenizer from the model directory
     prompts = [" ".join(WORDS[i : i + 3]) for i in range(8)]
     args = GRPOConfig(
@@ -139,11 +142,8 @@ def _train(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *, steps: int, peft:
     # A spy around the handle: TRL calls sync_weights itself, at the step it chooses; check what it installed.
     monkeypatch.setattr(trainer.vllm_generation, "sync_weights", checked_sync)
     try:
-        trainer.train()
-        # TRL syncs before generating, so the last step's weights are installed by the next generation: do it now.
-        report = handle.sync()
-        assert report is not None
-        syncs.append(_check(trainer, llm, report))
+        trainer.train()  # TRL syncs before generating; attach's callback installs the last step at the end
+        assert handle.last_report is not None and handle.last_report.weight_version == steps
     except BaseException:
         stop_engine(llm)
         raise
@@ -223,6 +223,23 @@ def test_grpo_colocate_syncs_through_hotweights(
         stop_engine(llm)
     with capsys.disabled():
         print(f"\n{_summary('full', syncs, trainer)} ({time.perf_counter() - start:.1f} s)")
+
+
+@pytest.mark.engine
+def test_grpo_colocate_moe_policy_is_exact_after_every_step(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, restore_env: None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A Qwen3-MoE policy (transformers 5 holds its experts fused; the engine loads per-expert tensors): after every
+    sync, the last one by attach's train-end callback, the engine serves what the trainer holds."""
+    start = time.perf_counter()
+    trainer, llm, syncs = _train(tmp_path, monkeypatch, steps=3, peft=False, arch="qwen3_moe")
+    try:
+        _assert_synced(syncs, trainer, steps=3)
+        assert any("experts.gate_up_proj" in n for n in syncs[-1].weights), "the trainer holds fused experts"
+    finally:
+        stop_engine(llm)
+    with capsys.disabled():
+        print(f"\n{_summary('moe', syncs, trainer)} ({time.perf_counter() - start:.1f} s)")
 
 
 @pytest.mark.engine

@@ -12,6 +12,7 @@ from hotweights import (
     DeltaBaseMismatchError,
     EngineNotSupportedError,
     EngineSleepingError,
+    FamilyProbeError,
     FleetAbortedError,
     FleetPartialCommitError,
     HotWeightsError,
@@ -20,6 +21,7 @@ from hotweights import (
     Mismatch,
     PartialUpdateError,
     StaleWeightVersionError,
+    UnprovenFamilyError,
     UnsupportedLayoutError,
     WeightManifestValidationError,
     WeightVersionUnknownError,
@@ -40,6 +42,8 @@ PUBLIC_ERRORS = [
     UnsupportedLayoutError,
     WeightManifestValidationError,
     WeightVersionUnknownError,
+    FamilyProbeError,
+    UnprovenFamilyError,
 ]
 
 ALL_KINDS: tuple[str, ...] = typing.get_args(MismatchKind)

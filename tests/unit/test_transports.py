@@ -17,7 +17,7 @@ import hotweights.transports as transports
 from hotweights.core.buckets import Bucket, BucketEntry, plan_buckets, unpack
 from hotweights.core.errors import HotWeightsError
 from hotweights.core.manifest import WeightUpdateManifest
-from hotweights.engine import worker_extension, worker_ops
+from hotweights.engine import compat, worker_extension, worker_ops
 from hotweights.engine.session import PROTOCOL, SessionOptions, session_of
 from hotweights.engine.worker_extension import HotWeightsWorkerExtension
 from hotweights.transports import (
@@ -613,6 +613,9 @@ class TestWorkerExtension:
             "delta_shared_base": "",
             "session": "",  # no install session open
             "expired": [],  # none dropped by a staging expiry
+            "architecture": "",  # no model in this process
+            "vllm": compat.vllm_version(),
+            "device": compat.device_kind(),
         }
 
     def test_full_session_installs_every_tensor_once_in_manifest_order(self, recorder: _Recorder) -> None:

@@ -146,6 +146,9 @@ class VLLMEngineAdapter(WeightInstallAdapter):
     def _engine_version_now(self) -> str | None:
         return self.engine.get_weight_version()
 
+    def _probe_logprobs(self, token_ids: tuple[int, ...]) -> list[float | None] | None:
+        return self.engine.prompt_logprobs(token_ids)
+
 
 class VLLMSessionAdapter(VLLMEngineAdapter):
     """Base of the adapters that run the install session: a configuration of the engine's handle, a wire

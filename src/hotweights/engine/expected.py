@@ -10,6 +10,7 @@ up offline, never downloaded).
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 from typing import Any
@@ -68,7 +69,25 @@ def checkpoint_expected(model_dir: Path, dtype: str | None, *, tied: bool) -> Ex
     ignored: dict[str, str] = {}
     if tied and TIED_LM_HEAD not in specs:
         ignored[TIED_LM_HEAD] = "tied to the input embedding; the engine reads the embedding"
-    return ExpectedWeights(specs, ignored)
+    model_type, architectures = _model_kind(model_dir)
+    return ExpectedWeights(specs, ignored, model_type=model_type, architectures=architectures)
+
+
+def _model_kind(model_dir: Path) -> tuple[str | None, tuple[str, ...]]:
+    """``model_type`` and ``architectures`` of ``model_dir``'s ``config.json`` (None and () where it has none):
+    they choose the rules that map a trainer's in-memory names onto the checkpoint's."""
+    try:
+        config = json.loads((model_dir / "config.json").read_text())
+    except (OSError, ValueError):
+        return None, ()
+    if not isinstance(config, dict):
+        return None, ()
+    model_type = config.get("model_type")
+    architectures = config.get("architectures") or ()
+    return (
+        model_type if isinstance(model_type, str) else None,
+        tuple(a for a in architectures if isinstance(a, str)) if isinstance(architectures, list) else (),
+    )
 
 
 def expected_weights(llm: Any) -> ExpectedWeights | None:

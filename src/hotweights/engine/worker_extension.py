@@ -84,10 +84,12 @@ def _status(worker: Any) -> dict[str, Any]:
     """The extension is loaded and speaks :data:`~hotweights.engine.session.PROTOCOL`; whether vLLM's sleep mode
     holds this worker's weights (a paused scheduler alone does not); who recorded the engine's pause; the bytes of
     this worker's own delta copy, and the trainer's shared copy it maps (``""``: none); the install session open
-    (``""``: none) and the last updates dropped by their staging expiry."""
-    from hotweights.engine.compat import weights_asleep_here
+    (``""``: none), the last updates dropped by their staging expiry, and the model's architecture, the vLLM
+    version and device kind (what :mod:`hotweights.core.families` proves families on)."""
+    from hotweights.engine.compat import device_kind, vllm_version, weights_asleep_here
 
     session = session_of(worker)
+    config = getattr(getattr(worker, "model_config", None), "hf_config", None)
     base = session.base
     own = base.copy is not None and (base.mapped is None or base.copy.tensors is not base.mapped.tensors)
     return {
@@ -99,6 +101,9 @@ def _status(worker: Any) -> dict[str, Any]:
         "delta_shared_base": str(base.mapped.path) if base.mapped is not None else "",
         "session": session.update_id or "",
         "expired": list(session.expired),
+        "architecture": str((getattr(config, "architectures", None) or [""])[0]),
+        "vllm": vllm_version(),
+        "device": device_kind(),
     }
 
 

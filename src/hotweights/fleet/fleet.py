@@ -23,6 +23,7 @@ import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
+from hotweights._family import check_family
 from hotweights._install import InstallOptions, adapter_for, update_for
 from hotweights.adapters._vllm import VLLMSessionAdapter
 from hotweights.adapters.base import WeightInstallAdapter
@@ -164,12 +165,13 @@ class Fleet:
         bucketed = [a for a in adapters if isinstance(a, VLLMSessionAdapter) and a.transport is not None]
         bucket_bytes = min((a.bucket_size for a in bucketed), default=default_bucket_bytes(32 << 20))
         kwargs = {k: options[k] for k in ("force", "delta", "verify", "cast") if k in options}
+        families = [check_family(e, items, options.get("unproven")) for e in self.engines]  # before any staging
         run = _Run(self, adapters, coordinator, manifest.weight_version, manifest.tensors)
         for i, adapter in enumerate(adapters):
             member = two_phase.Member(coordinator, i, bucket_bytes, self.staging_expiry)
             thread = threading.Thread(
                 target=run.member,
-                args=(member, adapter, manifest, items, kwargs),
+                args=(member, adapter, manifest, items, {**kwargs, "family": families[i]}),
                 name=f"hotweights-fleet-{i}",
                 daemon=True,
             )

@@ -125,6 +125,12 @@ class AsyncLLMHandle(EngineHandle):
     def on_shutdown(self, callback: Callable[[], object]) -> None:
         compat.on_shutdown(self.engine, callback)
 
+    def model_config(self) -> Any:
+        return compat.engine_model_config(self.engine).hf_config
+
+    def engine_dtype(self) -> Any:
+        return compat.engine_dtype(self.engine)
+
     def describe(self) -> str:
         ranks = len(compat.dp_engines(self.engine))
         dp = f", {ranks} data-parallel ranks" if ranks else ""

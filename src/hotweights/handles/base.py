@@ -19,7 +19,7 @@ import json
 import logging
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, ClassVar, Literal
 
 from hotweights.core.active import ActiveVersion
@@ -215,6 +215,43 @@ class EngineHandle(ABC):
     def on_shutdown(self, callback: Callable[[], object]) -> None:  # noqa: B027 - a no-op where there is no hook
         """Run ``callback()`` once the engine shuts down (e.g. to release files kept for it); ignored by handles
         of engines whose shutdown cannot be seen from here."""
+
+    #: Whether :meth:`prompt_logprobs` can score the engine while an install holds its gate.
+    probes: ClassVar[bool] = False
+
+    def model_config(self) -> Any:
+        """The transformers config of the engine's model, or None where it cannot be read from here."""
+        return None
+
+    def engine_dtype(self) -> Any:
+        """The dtype the engine keeps its weights in (``torch.float32`` where it cannot be read)."""
+        import torch
+
+        return torch.float32
+
+    def family(self) -> tuple[str | None, str, str]:
+        """``(architecture, vLLM version, device kind)`` of the engine, as far as they can be read from here: from
+        the engine's own config in this process, else from the workers (worker extension); ``None``/``""`` where
+        unknown."""
+        from hotweights.engine import compat
+
+        config = self.model_config()
+        if config is not None:
+            names = getattr(config, "architectures", None) or [None]
+            return names[0], compat.vllm_version(), compat.device_kind()
+        if self.worker_extension == WORKER_EXTENSION:  # an engine that cannot be reached raises here, as it should
+            answers = self.call("hotweights_engine", "status", "{}", timeout=PAUSE_CALL_TIMEOUT)
+            status = answers[0] if answers and isinstance(answers[0], dict) else {}
+            if status.get("architecture"):
+                return str(status["architecture"]), str(status.get("vllm", "")), str(status.get("device", ""))
+        expected = self.expected_weights()
+        names = list(getattr(expected, "architectures", None) or []) or [None]
+        return names[0], "", ""
+
+    def prompt_logprobs(self, token_ids: Sequence[int]) -> list[float | None] | None:
+        """The engine's log-probability of each of ``token_ids[1:]`` after the tokens before it, computed while the
+        calling thread holds the gate (an install's own check); None where this engine kind cannot be asked so."""
+        return None
 
     def describe(self) -> str:
         """One line for reports and errors."""

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
 from hotweights.core.gate import ServingGate
@@ -20,6 +20,7 @@ class LLMHandle(EngineHandle):
     methods enter (wrapped on this instance); an install also waits for requests that never entered it."""
 
     kind: ClassVar[str] = "llm"
+    probes: ClassVar[bool] = True
 
     def __init__(self, llm: Any) -> None:
         if compat.engine_kind(llm) != "llm":
@@ -84,6 +85,15 @@ class LLMHandle(EngineHandle):
 
     def on_shutdown(self, callback: Callable[[], object]) -> None:
         compat.on_shutdown(self.llm, callback)
+
+    def model_config(self) -> Any:
+        return compat.engine_model_config(self.llm).hf_config
+
+    def engine_dtype(self) -> Any:
+        return compat.engine_dtype(self.llm)
+
+    def prompt_logprobs(self, token_ids: Sequence[int]) -> list[float | None] | None:
+        return compat.prompt_logprobs(self.llm, token_ids)
 
     def describe(self) -> str:
         mode = "in-process" if self.inprocess else f"multiprocess, {self.num_workers} worker(s)"

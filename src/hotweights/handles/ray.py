@@ -93,7 +93,12 @@ class RayEngineHandle(EngineHandle):
             return None
         data = json.loads(text)
         tensors = {n: TensorSpec.model_validate(s) for n, s in data["tensors"].items()}
-        return ExpectedWeights(tensors=tensors, ignored=dict(data.get("ignored", {})))
+        return ExpectedWeights(
+            tensors=tensors,
+            ignored=dict(data.get("ignored", {})),
+            model_type=data.get("model_type"),
+            architectures=tuple(data.get("architectures", ())),
+        )
 
     @property
     def gate(self) -> RayGate:

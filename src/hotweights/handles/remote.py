@@ -311,6 +311,19 @@ class RemoteHandle(EngineHandle):
         self._request("POST", "/update_weight_version", json_body={"new_version": version}, timeout=SHORT_TIMEOUT)
         return self.get_weight_version()
 
+    def family(self) -> tuple[str | None, str, str]:
+        """From the workers where the server runs the worker extension; else the checkpoint's architecture, the
+        server's ``/version``, and, for a server on this host, this host's device kind when it runs the same vLLM
+        (a server elsewhere cannot tell its device: its families are unproven)."""
+        arch, vllm, device = super().family()
+        if vllm:
+            return arch, vllm, device
+        from hotweights.engine import compat
+
+        vllm = str((self._request("GET", "/version", timeout=SHORT_TIMEOUT) or {}).get("version", ""))
+        local = compat.vllm_version()
+        return arch, vllm, compat.device_kind() if self.same_host and vllm and vllm == local else ""
+
     def get_weight_version(self) -> str | None:
         version = (self._request("GET", "/weight_info", timeout=SHORT_TIMEOUT) or {}).get("weight_version")
         return None if version is None else str(version)

