@@ -4,7 +4,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.hotweights-installed
 EXTRAS ?= cpu,dev,trl,docs,ray
 
-.PHONY: setup test test-slow test-matrix soak demo bench lint clean
+.PHONY: setup test test-slow test-matrix soak chaos chaos-long demo bench lint clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -38,6 +38,16 @@ test-slow: $(STAMP)
 ## thread generates, and install_async into a serving AsyncLLM; fails on a mixed output, an untyped error or growth
 soak: $(STAMP)
 	PYTHONFAULTHANDLER=1 timeout 900 $(PY) benchmarks/soak.py --profile ci
+
+## seeded random schedules of generation and installs (fresh in-process engines generating before the first install,
+## a shared multiprocess one; full, delta, refused installs): no hang, no mixed call, every error typed, no /dev/shm
+## leftovers. 20 schedules (~3 min on 2 cores; CI runs it); a failure prints the seed to replay
+chaos: $(STAMP)
+	PYTHONFAULTHANDLER=1 timeout 1500 $(PY) benchmarks/chaos.py --profile ci
+
+## the long chaos profile: 200 schedules (~30 min on 2 cores)
+chaos-long: $(STAMP)
+	PYTHONFAULTHANDLER=1 $(PY) benchmarks/chaos.py --profile long
 
 demo: $(STAMP)
 	$(PY) examples/demo.py

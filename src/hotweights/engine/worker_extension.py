@@ -85,8 +85,9 @@ def _status(worker: Any) -> dict[str, Any]:
     holds this worker's weights (a paused scheduler alone does not); who recorded the engine's pause; the bytes of
     this worker's own delta copy, and the trainer's shared copy it maps (``""``: none); the install session open
     (``""``: none), the last updates dropped by their staging expiry, and the model's architecture, the vLLM
-    version and device kind (what :mod:`hotweights.core.families` proves families on)."""
-    from hotweights.engine.compat import device_kind, vllm_version, weights_asleep_here
+    version and device kind (what :mod:`hotweights.core.families` proves families on), and the mends of vLLM's
+    reload in place in this worker (:data:`~hotweights.engine.compat.VLLM_FIXES`)."""
+    from hotweights.engine.compat import apply_vllm_fixes, device_kind, vllm_version, weights_asleep_here
 
     session = session_of(worker)
     config = getattr(getattr(worker, "model_config", None), "hf_config", None)
@@ -104,6 +105,7 @@ def _status(worker: Any) -> dict[str, Any]:
         "architecture": str((getattr(config, "architectures", None) or [""])[0]),
         "vllm": vllm_version(),
         "device": device_kind(),
+        "fixes": list(apply_vllm_fixes()),
     }
 
 

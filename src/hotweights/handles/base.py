@@ -229,6 +229,22 @@ class EngineHandle(ABC):
 
         return torch.float32
 
+    def vllm_fixes(self) -> tuple[str, ...] | None:
+        """The mends of vLLM's reload (:data:`~hotweights.engine.compat.VLLM_FIXES`) in place where the engine's
+        workers run: asked of the workers through the worker extension; else, where hotweights' vLLM plugin reaches
+        the engine's processes, the ones this environment applies; ``()`` where the plugin is kept out
+        (``VLLM_PLUGINS``); None where it cannot be told from here."""
+        from hotweights.engine import compat
+
+        if self.worker_extension == WORKER_EXTENSION:
+            answers = self.call("hotweights_engine", "status", "{}", timeout=PAUSE_CALL_TIMEOUT)
+            fixes = answers[0].get("fixes") if answers and isinstance(answers[0], dict) else None
+            if isinstance(fixes, list):
+                return tuple(str(f) for f in fixes)
+        if self.model_config() is None:
+            return None
+        return compat.apply_vllm_fixes() if compat.vllm_fixes_reach_workers() else ()
+
     def family(self) -> tuple[str | None, str, str]:
         """``(architecture, vLLM version, device kind)`` of the engine, as far as they can be read from here: from
         the engine's own config in this process, else from the workers (worker extension); ``None``/``""`` where

@@ -92,6 +92,11 @@ class LLMHandle(EngineHandle):
     def engine_dtype(self) -> Any:
         return compat.engine_dtype(self.llm)
 
+    def vllm_fixes(self) -> tuple[str, ...] | None:
+        if self.inprocess:  # the workers are this process
+            return compat.apply_vllm_fixes()
+        return super().vllm_fixes()
+
     def prompt_logprobs(self, token_ids: Sequence[int]) -> list[float | None] | None:
         return compat.prompt_logprobs(self.llm, token_ids)
 

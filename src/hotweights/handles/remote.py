@@ -64,6 +64,7 @@ class ConnectOptions(TypedDict, total=False):
     expected: ExpectedWeights | str | Path | None
     transport: httpx.BaseTransport | None
     token: str | None
+    insecure_token: bool
 
 
 def connect(url: str, **options: Unpack[ConnectOptions]) -> RemoteHandle:
@@ -74,7 +75,10 @@ def connect(url: str, **options: Unpack[ConnectOptions]) -> RemoteHandle:
             ``--uds``.
         api_key: sent as ``Authorization: Bearer`` (vLLM checks it on ``/v1`` only; see the module docstring).
         token: the token of a server guarded by hotweights (``python -m hotweights.serve``), sent on every request
-            as ``X-HotWeights-Token``. Default: ``$HOTWEIGHTS_TOKEN``; ``""`` sends none.
+            as ``X-HotWeights-Token``. Default: ``$HOTWEIGHTS_TOKEN``; ``""`` sends none. It is sent only over
+            ``https://``, a Unix socket or a loopback address: anyone on the path of plain HTTP to another host could
+            read it and install weights.
+        insecure_token: send the token over plain HTTP to another host anyway (a network you trust end to end).
         timeout: seconds to connect, and for each short request (pause, resume, version, cache reset).
             Worker calls take the adapter's ``rpc_timeout``.
         expected: what the engine accepts (an :class:`~hotweights.ExpectedWeights`, or a checkpoint directory to
@@ -86,7 +90,8 @@ def connect(url: str, **options: Unpack[ConnectOptions]) -> RemoteHandle:
         HotWeightsTimeoutError: the server cannot be reached within ``timeout``.
         EngineNotSupportedError: the server lacks the dev routes, or runs neither hotweights' worker extension nor
             its weight-transfer backend (the message names the flags to start it with), or refused the token
-            (HTTP 401: pass ``token=`` or set ``HOTWEIGHTS_TOKEN``).
+            (HTTP 401: pass ``token=`` or set ``HOTWEIGHTS_TOKEN``), or a token would cross plain HTTP to another
+            host (nothing was sent: use ``https://``, or ``insecure_token=True``).
 
     Example:
         >>> engine = hotweights.connect("http://127.0.0.1:8000")                          # doctest: +SKIP
@@ -110,6 +115,7 @@ class RemoteHandle(EngineHandle):
         expected: ExpectedWeights | str | Path | None = None,
         transport: httpx.BaseTransport | None = None,
         token: str | None = None,
+        insecure_token: bool = False,
     ) -> None:
         self.url = url
         self.timeout = timeout
@@ -124,6 +130,12 @@ class RemoteHandle(EngineHandle):
         else:
             raise ValueError(f"{url!r} is not a server URL: use http://host:port or unix:///path/to.sock")
         token = (os.environ.get(TOKEN_ENV, "") if token is None else token).strip()
+        if token and parts.scheme == "http" and not insecure_token and not _loopback(self._host):
+            raise EngineNotSupportedError(
+                f"{url}: a hotweights token would travel in plain HTTP to another host, where anyone on the path can "
+                "read it and install weights; nothing was sent. Use https:// (e.g. behind a TLS proxy), a Unix socket "
+                "or an SSH tunnel to a loopback port, or pass insecure_token=True on a network you trust end to end."
+            )
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         if token:
             headers["X-HotWeights-Token"] = token
@@ -253,14 +265,7 @@ class RemoteHandle(EngineHandle):
     @property
     def same_host(self) -> bool:
         """True for a Unix socket and for loopback addresses (the workers then map this host's ``/dev/shm``)."""
-        if not self._host:
-            return True
-        if self._host == "localhost":
-            return True
-        try:
-            return ipaddress.ip_address(self._host).is_loopback
-        except ValueError:
-            return False
+        return _loopback(self._host)
 
     @property
     def same_hotweights(self) -> bool:
@@ -493,3 +498,13 @@ def _error_message(response: httpx.Response) -> str:
             return str(error["message"])
         return str(error)
     return str(body)
+
+
+def _loopback(host: str) -> bool:
+    """True for a Unix socket (no host), ``localhost`` and loopback addresses."""
+    if not host or host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

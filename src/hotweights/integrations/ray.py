@@ -22,10 +22,11 @@ from __future__ import annotations
 
 import json
 import threading
+import weakref
 from contextlib import ExitStack
 from typing import Any
 
-from hotweights.core.errors import HotWeightsError
+from hotweights.core.errors import HotWeightsError, HotWeightsTimeoutError
 from hotweights.handles import EngineHandle, as_engine
 from hotweights.handles.ray import RayEngineHandle
 
@@ -35,13 +36,15 @@ __all__ = ["HOLD_LIMIT_S", "EngineActor", "engine"]
 #: it, the trainer is presumed gone mid-write and the engine refuses generation until a full install.
 HOLD_LIMIT_S = 600.0
 
-_HANDLES: dict[str, RayEngineHandle] = {}
+#: One handle per actor while anything in this process holds it (a Fleet, an adapter): dropped with its last user,
+#: so a process that reaches many short-lived actors does not keep a model-sized delta base for each.
+_HANDLES: weakref.WeakValueDictionary[str, RayEngineHandle] = weakref.WeakValueDictionary()
 _HANDLES_LOCK = threading.Lock()
 
 
 def engine(actor: Any) -> RayEngineHandle:
-    """The engine handle of an :class:`EngineActor` (one per actor in this process, so its version and delta base
-    are kept across installs)."""
+    """The engine handle of an :class:`EngineActor` (one per actor in this process while it is held, so its version
+    and delta base are kept across installs)."""
     key = actor._actor_id.hex()
     with _HANDLES_LOCK:
         handle = _HANDLES.get(key)
@@ -154,12 +157,17 @@ class _ActorSide:
             if self._release is not None:
                 raise HotWeightsError("another install holds this engine's gate; retry once it finished")
             holder = threading.Thread(target=hold, name="hotweights-gate", daemon=True)
-            holder.start()
-            entered.wait()
+            self._release, self._holder = release, holder  # claimed: a second install is refused, not queued
+        holder.start()
+        bound = (HOLD_LIMIT_S if timeout is None else timeout) + 5.0  # installing() raises at its timeout first
+        if not entered.wait(bound) or "error" in outcome:
+            release.set()
+            with self._lock:
+                self._release, self._holder = None, None
             if "error" in outcome:
                 raise outcome["error"]
-            self._release, self._holder = release, holder
-            return float(outcome["waited"])
+            raise HotWeightsTimeoutError(f"the engine's gate was not entered within {bound:g} s; nothing was written")
+        return float(outcome["waited"])
 
     def gate_exit(self) -> bool:
         with self._lock:

@@ -1,0 +1,51 @@
+"""Building one engine's adapter never holds up another engine's (issue 26: no I/O under a global lock)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import pytest
+
+import hotweights
+from hotweights import _install
+
+
+def test_a_slow_adapter_build_does_not_block_another_engine(monkeypatch: pytest.MonkeyPatch) -> None:
+    from hotweights.handles.base import EngineHandle
+
+    started, release = threading.Event(), threading.Event()
+    built: list[str] = []
+
+    class Handle(EngineHandle):  # type: ignore[misc]
+        kind = "fake"
+        inprocess = True
+
+        def __init__(self, name: str) -> None:
+            self.name = name
+            self.llm = name
+
+    for method in Handle.__abstractmethods__:
+        setattr(Handle, method, lambda *a, **k: None)
+    Handle.__abstractmethods__ = frozenset()
+
+    def build(llm: Any, **kwargs: Any) -> Any:
+        if llm == "slow":
+            started.set()
+            release.wait(10)
+        built.append(llm)
+        return object()
+
+    monkeypatch.setattr(_install, "VLLMInProcessWeightReloadAdapter", build)
+    slow, fast = Handle("slow"), Handle("fast")
+    t = threading.Thread(target=hotweights.adapter_for, args=(slow,))
+    t.start()
+    assert started.wait(5)
+    t0 = time.perf_counter()
+    first = hotweights.adapter_for(fast)  # another engine: not held up by the slow one
+    assert time.perf_counter() - t0 < 1.0 and built == ["fast"]
+    assert hotweights.adapter_for(fast) is first  # built once
+    release.set()
+    t.join(5)
+    assert built == ["fast", "slow"]
