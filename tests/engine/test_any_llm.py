@@ -316,3 +316,37 @@ def test_a_three_prompt_generate_loop_from_before_any_hotweights_call_never_dead
         assert greedy_vllm(llm) == a.fresh  # version 8 is A
     finally:
         stop_engine(llm)
+
+
+def test_a_request_added_on_one_thread_and_stepped_on_another_leaves_no_hold(
+    checkpoint: Callable[[Variant, int], TinyCheckpoint],
+) -> None:
+    """Issue 26: the hold taken where a request is added by hand is released by the step that finishes it, whichever
+    thread steps; before, the adding thread's hold stayed and every later install waited out its lock_timeout."""
+    from vllm import SamplingParams
+
+    a, b = checkpoint(VARIANT, 1), checkpoint(VARIANT, 2)
+    llm = start_engine(a.path, multiprocess=False)
+    try:
+        adapter = VLLMInProcessWeightReloadAdapter(llm, lock_timeout=20)  # the gate exists from here on
+        sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, detokenize=False)
+        adder = threading.Thread(
+            target=lambda: llm.llm_engine.add_request("by-hand", {"prompt_token_ids": list(PROMPTS[0])}, sp)
+        )
+        adder.start()
+        adder.join(30)
+        done: list[Any] = []
+
+        def step_until_done() -> None:
+            while llm.llm_engine.has_unfinished_requests():
+                done.extend(o for o in llm.llm_engine.step() if o.finished)
+
+        stepper = threading.Thread(target=step_until_done)
+        stepper.start()
+        stepper.join(60)
+        assert [list(o.outputs[0].token_ids) for o in done] == [a.fresh[0]]
+        report = hotweights.install(llm, b.state_dict(), weight_version=1, adapter=adapter)  # no hold left behind
+        assert report.phases["wait_generation"] < 5.0
+        assert greedy_vllm(llm) == b.fresh
+    finally:
+        stop_engine(llm)
