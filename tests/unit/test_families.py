@@ -79,3 +79,21 @@ def test_tensors_that_do_not_fill_the_model_are_named() -> None:
     sd = {k: v for k, v in model.state_dict().items() if "layers.1." not in k}
     with pytest.raises(ValueError, match="missing"):
         reference(model.config, sd, torch.float32)
+
+
+def test_a_half_precision_tolerance_follows_the_models_own_rounding_and_still_catches_a_stale_layer() -> None:
+    """A fixed bf16 tolerance let a stale layer of a small-weights model through (Gemma's, 0.38 away) and could
+    refuse a large model's rounding noise; the bar is now this model's own rounding noise, times NOISE_FACTOR."""
+    from hotweights.core.probe import FLOOR_MAX
+
+    for arch in ("qwen2", "gemma2"):
+        a, b = build_tiny_model(arch, 1), build_tiny_model(arch, 2)  # type: ignore[arg-type]
+        ref = reference(b.config, b.state_dict(), torch.bfloat16)
+        assert ref.tolerance >= FLOOR_MAX
+        rounded = {k: v.to(torch.bfloat16) for k, v in b.state_dict().items()}
+        assert ref.judge(list(reference(b.config, rounded, torch.bfloat16).logprobs))[0], arch  # rounding passes
+        stale = {**b.state_dict()}
+        for k in stale:
+            if "layers.1.mlp" in k:
+                stale[k] = a.state_dict()[k]
+        assert not ref.judge(list(reference(b.config, stale, torch.float32).logprobs))[0], arch  # a stale layer fails

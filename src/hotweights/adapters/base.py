@@ -291,8 +291,8 @@ class WeightInstallAdapter(ABC):
                 f"{type(exc).__name__}: {exc}. Some layers may hold new weights; {cleared}. Install a full update "
                 f"again before serving.{closed}"
             ) from exc
-        family_check = self._check_family(manifest, family, probe, timer)
         path, self._path = self._path, None
+        family_check = self._check_family(manifest, family, probe, timer)
         previous = self.active_weight_version
         nbytes = sum(manifest.tensors[n].expected_nbytes for n in item_names(send))
         if delta is not None and self._delta.base is not None:

@@ -9,7 +9,7 @@ engine dtype's tolerance fails the install closed. A stale, unpacked or mis-mapp
 more than kernel rounding does.
 
 Example:
-    >>> ref = ProbeReference(token_ids=(3, 5, 7), logprobs=(-1.0, -2.0), tolerance=0.01)
+    >>> ref = ProbeReference(token_ids=(3, 5, 7), logprobs=(-1.0, -2.0), tolerance=0.01, median_tolerance=0.005)
     >>> ref.judge([-1.0, -2.005])
     (True, 0.005)
 """
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import statistics
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -29,9 +30,13 @@ __all__ = ["PROBE_LENGTH", "ProbeReference", "probe_tokens", "reference"]
 #: Tokens in the probe prompt (the engine scores all but the first).
 PROBE_LENGTH = 24
 
-#: Largest |engine - reference| log-probability accepted, by the engine's dtype: vLLM's kernels against
-#: transformers' on the same tensors (fp32: measured below 1e-4 on CPU; half types round every layer).
-_TOLERANCE = {torch.float32: 0.02, torch.bfloat16: 0.5, torch.float16: 0.3}
+#: The least tolerance on the largest and on the median |engine - reference| log-probability (fp32 engines: vLLM's
+#: kernels against transformers' measured below 1e-4 on CPU).
+FLOOR_MAX, FLOOR_MEDIAN = 0.02, 0.01
+#: A half-precision engine rounds every weight and every layer's output: the tolerances are this many times the
+#: difference that rounding the sent tensors to the engine's dtype makes in transformers' own scores (measured on
+#: tiny models: bf16 engines land within 0.6x to 0.9x of it; a stale layer moves the scores 20x to 50x as far).
+NOISE_FACTOR = 4.0
 
 
 @dataclass(frozen=True)
@@ -42,13 +47,20 @@ class ProbeReference:
     logprobs: tuple[float, ...]
     """The log-probability of ``token_ids[i + 1]`` after ``token_ids[: i + 1]``."""
     tolerance: float
+    """The largest difference accepted at any position."""
+    median_tolerance: float | None = None
+    """The largest median difference accepted (None: ``tolerance / 2``)."""
 
     def judge(self, got: Sequence[float | None]) -> tuple[bool, float]:
-        """``(within tolerance, largest difference)`` of the engine's answer ``got`` (one per position)."""
+        """``(within tolerance, largest difference)`` of the engine's answer ``got`` (one per position): both the
+        largest and the median difference must be within their tolerances."""
         if len(got) != len(self.logprobs) or any(g is None or not math.isfinite(g) for g in got):
             return False, math.inf
-        worst = max((abs(float(g) - r) for g, r in zip(got, self.logprobs, strict=True)), default=0.0)  # type: ignore[arg-type]
-        return worst <= self.tolerance, round(worst, 6)
+        diffs = [abs(float(g) - r) for g, r in zip(got, self.logprobs, strict=True)]  # type: ignore[arg-type]
+        worst = max(diffs, default=0.0)
+        median = statistics.median(diffs) if diffs else 0.0
+        limit = self.tolerance / 2 if self.median_tolerance is None else self.median_tolerance
+        return worst <= self.tolerance and median <= limit, round(worst, 6)
 
 
 def probe_tokens(vocab_size: int, length: int = PROBE_LENGTH) -> tuple[int, ...]:
@@ -62,13 +74,32 @@ def reference(config: Any, tensors: Any, engine_dtype: torch.dtype) -> ProbeRefe
     """The probe's reference from ``tensors`` (a mapping or ``(name, tensor)`` pairs: transformers' in-memory names
     or the checkpoint's) and the engine's transformers ``config``.
 
+    Where the engine computes in another floating dtype than the tensors hold (a bf16 engine, fp32 master weights),
+    the scores are computed a second time from the tensors rounded to that dtype, and the tolerances are
+    :data:`NOISE_FACTOR` times the difference (never below :data:`FLOOR_MAX` and :data:`FLOOR_MEDIAN`): kernel rounding
+    of this very model sets the bar, not a constant.
+
     Raises:
         ValueError: transformers has no model class for ``config``, or the tensors do not fill it (named).
     """
+    state = dict(tensors.items() if hasattr(tensors, "items") else tensors)
+    vocab = int(getattr(config, "vocab_size", 0) or getattr(_text(config), "vocab_size", 0))
+    ids = probe_tokens(vocab)
+    scores = _scores(config, state, ids)
+    max_tol, median_tol = FLOOR_MAX, FLOOR_MEDIAN
+    if engine_dtype.is_floating_point and engine_dtype != _dtype_of(state):
+        rounded = {k: v.to(engine_dtype) if v.is_floating_point() else v for k, v in state.items()}
+        noise = [abs(a - b) for a, b in zip(_scores(config, rounded, ids), scores, strict=True)]
+        max_tol = max(max_tol, NOISE_FACTOR * max(noise))
+        median_tol = max(median_tol, NOISE_FACTOR * statistics.median(noise))
+    return ProbeReference(ids, tuple(scores), round(max_tol, 6), round(median_tol, 6))
+
+
+def _scores(config: Any, state: dict[str, Any], ids: tuple[int, ...]) -> list[float]:
+    """transformers' log-probability of each of ``ids[1:]`` after the ones before, from a model holding ``state``."""
     import transformers
 
     model_cls = _model_class(transformers, config)
-    state = dict(tensors.items() if hasattr(tensors, "items") else tensors)
     with _quiet(transformers):
         model, info = model_cls.from_pretrained(
             None, config=config, state_dict=state, output_loading_info=True, dtype=_dtype_of(state)
@@ -77,13 +108,10 @@ def reference(config: Any, tensors: Any, engine_dtype: torch.dtype) -> ProbeRefe
     if missing:
         raise ValueError(f"the tensors do not fill a transformers {model_cls.__name__}: missing {sorted(missing)[:3]}")
     model.eval()
-    vocab = int(getattr(config, "vocab_size", 0) or getattr(_text(config), "vocab_size", 0))
-    ids = probe_tokens(vocab)
     device = next(model.parameters()).device
     logits = model(torch.tensor([ids], device=device)).logits[0].float()
     logprobs = torch.log_softmax(logits[:-1], dim=-1).gather(1, torch.tensor(ids[1:], device=device)[:, None])
-    tolerance = _TOLERANCE.get(engine_dtype, 0.5)
-    return ProbeReference(ids, tuple(float(x) for x in logprobs[:, 0].cpu()), tolerance)
+    return [float(x) for x in logprobs[:, 0].cpu()]
 
 
 def _model_class(transformers: Any, config: Any) -> Any:
