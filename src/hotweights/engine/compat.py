@@ -40,6 +40,7 @@ __all__ = [
     "num_workers",
     "on_shutdown",
     "prompt_logprobs",
+    "reload_model_inplace",
     "reload_weights",
     "reset_prefix_cache",
     "rpc",
@@ -277,6 +278,24 @@ def reload_weights(llm: Any, items: Sequence[tuple[str, torch.Tensor]], timeout:
     from hotweights.engine.worker_ops import reload_checkpoint_tensors
 
     llm.collective_rpc(reload_checkpoint_tensors, timeout=timeout, args=(items,))
+
+
+def reload_model_inplace(vllm_config: Any, model: torch.nn.Module, items: Any) -> None:
+    """vLLM's layerwise reload of checkpoint-format ``items`` into ``model`` (a caller that holds the model, not the
+    worker): ``model_loader.reload.inplace.reload_weights`` since vLLM 0.32; 0.31 has no such function and its
+    runner runs the three steps inline, as done here."""
+    try:
+        from vllm.model_executor.model_loader.reload.inplace import reload_weights
+    except ImportError:  # vLLM 0.31
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.model_loader.reload import layerwise
+
+        with set_current_vllm_config(vllm_config):
+            layerwise.initialize_layerwise_reload(model)
+            model.load_weights(items)  # type: ignore[operator]
+            layerwise.finalize_layerwise_reload(model, vllm_config.model_config)  # type: ignore[no-untyped-call]
+        return
+    reload_weights(vllm_config, model, weights_iterator=items, weights_path=None, is_checkpoint_format=True)
 
 
 def clear_kv_cache_inprocess(llm: Any) -> int:

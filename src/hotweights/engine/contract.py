@@ -51,7 +51,9 @@ class Entry:
     ``kwargs`` (``abstracts``). ``args`` are passed positionally in that order (after ``self``), ``kwargs`` by
     keyword (a route's query or body parameters). ``forwarded``: the callable passes ``*args``/``**kwargs`` on,
     so they may take what is not named. ``optional``: hotweights checks for it first (absence is reported, not a
-    failure). ``coroutine``: it must (True) or must not (False) be ``async def``.
+    failure). ``coroutine``: it must (True) or must not (False) be ``async def``. ``vllm``: the vLLM versions the
+    entry holds for (a PEP 440 specifier, e.g. ``"<0.34"``; empty: every version), where ``compat`` picks between
+    two homes of the same thing by feature detection.
     """
 
     module: str
@@ -64,6 +66,20 @@ class Entry:
     forwarded: bool = False
     optional: bool = False
     coroutine: bool | None = None
+    vllm: str = ""
+
+    def applies_to(self, version: str) -> bool:
+        """Whether this entry holds for vLLM ``version`` (``"0.34.0"``; "" or unparsable: every entry applies)."""
+        if not self.vllm or not version:
+            return True
+        from packaging.specifiers import SpecifierSet
+        from packaging.version import InvalidVersion, Version
+
+        try:
+            parsed = Version(version.split("+", 1)[0])
+        except InvalidVersion:  # "(version unknown)": check everything
+            return True
+        return SpecifierSet(self.vllm).contains(parsed)
 
     @property
     def symbol(self) -> str:
@@ -102,7 +118,9 @@ _MOE_KERNEL = _MOE + ".modular_kernel"
 _CPU_MOE = _MOE + ".experts.cpu_moe"
 _LINEAR = _LAYERS + ".linear"
 _VOCAB = _LAYERS + ".vocab_parallel_embedding"
-_RUNNER = "vllm.v1.worker.gpu_model_runner"
+_RUNNER = "vllm.v1.worker.gpu_model_runner"  # Model Runner V1: up to 0.33
+_RUNNER_V2 = "vllm.v1.worker.gpu.model_runner"  # Model Runner V2: the GPU default since 0.32, the only one in 0.34
+_CPU_RUNNER = "vllm.v1.worker.cpu.standalone_model_runner"  # 0.34's CPU runner
 _WORKER = "vllm.v1.worker.gpu_worker"
 _LAYERWISE = "vllm.model_executor.model_loader.reload.layerwise"
 _RELOAD_TYPES = "vllm.model_executor.model_loader.reload.types"
@@ -274,20 +292,52 @@ CONTRACT: tuple[Entry, ...] = (
         "re-packs w13/w2 for the grouped GEMM",
         args=("layer",),
     ),
-    _e(
-        _RUNNER,
-        "GPUModelRunner.reload_weights",
-        "method",
-        "compat._fix_reload_tied_heads, adapters.weights_path",
-        "wrapped (fix tied-lm-head); takes what Worker.reload_weights forwards",
-        kwargs=("weights_iterator", "weights_path", "is_checkpoint_format"),
-    ),
-    _e(_RUNNER, "GPUModelRunner.get_model", "method", "worker_ops.worker_model", "the served model"),
-    _e(_RUNNER, "GPUModelRunner.kv_caches", "attribute", "worker_ops.clear_kv_cache", "zeroed after a failed write"),
-    _e(_RUNNER, "GPUModelRunner.vllm_config", "attribute", "worker_ops.close_layerwise_reload", "model config"),
     *(
-        _e(_RUNNER, f"GPUModelRunner.{m}", "method", "worker_ops.after_weights_changed", "derived state dropped")
-        for m in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache")
+        entry
+        for module, cls, versions in (
+            (_RUNNER, "GPUModelRunner", "<0.34"),
+            (_RUNNER_V2, "GPUModelRunner", ">=0.32"),
+            (_CPU_RUNNER, "StandaloneCPUModelRunner", ">=0.34"),
+        )
+        for entry in (
+            _e(
+                module,
+                f"{cls}.reload_weights",
+                "method",
+                "compat._fix_reload_tied_heads (compat.RELOAD_RUNNERS), adapters.weights_path",
+                "wrapped (fix tied-lm-head); takes what Worker.reload_weights forwards",
+                kwargs=("weights_iterator", "weights_path", "is_checkpoint_format"),
+                vllm=versions,
+            ),
+            _e(module, f"{cls}.get_model", "method", "worker_ops.worker_model", "the served model", vllm=versions),
+            _e(
+                module,
+                f"{cls}.kv_caches",
+                "attribute",
+                "worker_ops.clear_kv_cache",
+                "zeroed after a failed write",
+                vllm=versions,
+            ),
+            _e(
+                module,
+                f"{cls}.vllm_config",
+                "attribute",
+                "worker_ops.close_layerwise_reload",
+                "model config",
+                vllm=versions,
+            ),
+            *(
+                _e(
+                    module,
+                    f"{cls}.{m}",
+                    "method",
+                    "worker_ops.after_weights_changed",
+                    "derived state dropped",
+                    vllm=versions,
+                )
+                for m in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache")
+            ),
+        )
     ),
     # --- worker_ops.py
     _e(_WORKER, "Worker.model_runner", "attribute", "worker_ops.worker_model", "the model runner"),
@@ -304,10 +354,11 @@ CONTRACT: tuple[Entry, ...] = (
         "vllm.model_executor.model_loader.reload.inplace",
         "reload_weights",
         "function",
-        "worker_ops.reload_model",
-        "the install of hotweights' weight-transfer backend",
+        "compat.reload_model_inplace",
+        "the install of hotweights' weight-transfer backend (0.31 runs the layerwise steps itself)",
         args=("vllm_config", "model"),
         kwargs=("weights_iterator", "weights_path", "is_checkpoint_format"),
+        vllm=">=0.32",
     ),
     _e(
         _LAYERWISE,
@@ -334,13 +385,17 @@ CONTRACT: tuple[Entry, ...] = (
         for a in ("load_numel", "loaded_weights")
     ),
     # --- readback.py
-    _e(
-        "vllm._custom_ops",
-        "cpu_prepack_moe_weight",
-        "function",
-        "readback._packer",
-        "packs the expected experts like the kernel",
-        args=("weight", "isa"),
+    *(
+        _e(
+            module,
+            "cpu_prepack_moe_weight",
+            "function",
+            "compat.cpu_prepack_moe_weight, readback._packer",
+            "packs the expected experts like the kernel",
+            args=("weight", "isa"),
+            vllm=versions,
+        )
+        for module, versions in (("vllm._custom_ops", "<0.34"), ("vllm._cpu_ops", ">=0.34"))
     ),
     _e(_CPU_MOE, "CPUUnquantizedExperts.isa", "attribute", "readback._packer", "the packing ISA"),
     _e(_CPU_MOE, "CPUUnquantizedExperts._use_zentorch", "attribute", "readback._packer", "zentorch: not read back"),
@@ -931,8 +986,9 @@ def check(source: SourceTree | Path | str, contract: Sequence[Entry] = CONTRACT)
     """Check every entry of ``contract`` against a vLLM source (a :class:`SourceTree`, a directory or a wheel)."""
     tree = source if isinstance(source, SourceTree) else SourceTree(Path(source))
     index = _Index(tree)
+    version = tree.version().rpartition(" ")[2]
     results = []
-    for entry in contract:
+    for entry in (e for e in contract if e.applies_to(version)):
         try:
             results.append(check_entry(index, entry))
         except SyntaxError as exc:

@@ -54,12 +54,10 @@ def reload_checkpoint_tensors(worker: Any, items: Iterable[tuple[str, torch.Tens
 
 def reload_model(vllm_config: Any, model: torch.nn.Module, items: Iterable[tuple[str, torch.Tensor]]) -> int:
     """The same install for callers that hold the model, not the worker (vLLM's weight-transfer backends)."""
-    from vllm.model_executor.model_loader.reload.inplace import reload_weights
-
-    from hotweights.engine.compat import apply_vllm_fixes
+    from hotweights.engine.compat import apply_vllm_fixes, reload_model_inplace
 
     apply_vllm_fixes()
-    reload_weights(vllm_config, model, weights_iterator=items, weights_path=None, is_checkpoint_format=True)
+    reload_model_inplace(vllm_config, model, items)
     return refresh_tied_layers(model)
 
 
