@@ -21,6 +21,7 @@ from safetensors.torch import save_file
 import hotweights
 import hotweights.adapters
 from hotweights import (
+    DeltaBaseMismatchError,
     ExpectedWeights,
     InstallError,
     PartialUpdateError,
@@ -28,7 +29,10 @@ from hotweights import (
     WeightUpdateManifest,
 )
 from hotweights.adapters import VLLMMultiprocessAdapter
+from hotweights.core import envelope
 from hotweights.core.buckets import Bucket, plan_buckets
+from hotweights.core.delta import DeltaBase
+from hotweights.engine.session import SessionOptions
 from hotweights.testing import build_tiny_model, save_tiny_model
 from hotweights.transports import EngineLink, Stage, WeightTransport, make_transport
 from hotweights.transports.shm import SHM_DIR, sweep_stale
@@ -511,6 +515,33 @@ def test_direct_plan_refused_before_anything_moves(engine: Engine, commit: str) 
     assert counting.sends == (0 if commit == "streaming" else 1)
     assert greedy_vllm(engine.llm) == engine.a.fresh
     assert engine.llm.llm_engine.get_weight_version() == str(version)
+
+
+def test_worker_errors_cross_vllms_rpc_typed(engine: Engine) -> None:
+    """What a worker raises comes back through vLLM's RPC as text (a plain Exception); its envelope makes it the
+    typed error again: a delta whose base the workers do not hold carries the real versions, and a worker error that
+    is not hotweights' own arrives as an InstallError naming its type."""
+    base = DeltaBase.capture(list(engine.a.state_dict().items()), 5000)
+    delta = base.encode(dict(engine.b.state_dict()), weight_version=5001)
+    wire = delta.manifest.wire_manifest()
+    options = SessionOptions(
+        manifest=wire.to_json() if wire is not None else "", delta=delta.manifest.to_json(), method="reload"
+    )
+    adapter = engine.adapter("shm")
+    try:
+        with pytest.raises(DeltaBaseMismatchError) as info:
+            adapter.wire.begin(options)
+        assert (info.value.requested, info.value.base) == (5001, 5000)
+        assert not isinstance(info.value.__cause__, hotweights.HotWeightsError)  # it crossed as vLLM's text
+        assert f"[{envelope.MARKER}" in str(info.value.__cause__) and envelope.MARKER not in str(info.value)
+        with pytest.raises(InstallError) as refused:
+            adapter.wire.prepare("no-such-update")
+        assert refused.value.origin == "RuntimeError"
+        assert str(refused.value).startswith("RuntimeError: no open install session 'no-such-update' on this worker")
+    finally:
+        adapter.close()
+    engine.install(engine.a)  # the engine still installs
+    assert greedy_vllm(engine.llm) == engine.a.fresh
 
 
 # ---------------------------------------------------------------------------------------------- shm kept segments

@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import save_file
 
 from hotweights import Mismatch, WeightManifestValidationError, WeightUpdateManifest
+from hotweights.core import envelope
 from hotweights.core.errors import engine_refusal
 from hotweights.engine.expected import check_manifest, checkpoint_dir, expected_from_config
 
@@ -74,11 +75,14 @@ def test_the_worker_refuses_a_manifest_that_differs_from_its_checkpoint(tmp_path
         ("unexpected", "model.evil.weight"),
         ("missing", "model.norm.weight"),
     }
-    # what comes back through vLLM's RPC is text: the trainer rebuilds the same typed error from it
-    wrapped = RuntimeError(f"Worker failed with error '{info.value}', please check the stack trace above")
+    # it leaves the worker with its envelope, and what comes back through vLLM's RPC is text: the trainer rebuilds
+    # the same typed error from it
+    message = str(info.value)
+    leaving = envelope.attach(info.value)
+    wrapped = RuntimeError(f"Worker failed with error '{leaving}', please check the stack trace above")
     again = engine_refusal(wrapped)
     assert again is not None and set(again.mismatches) == set(info.value.mismatches)
-    assert "checked by the engine's worker" in str(again)
+    assert "checked by the engine's worker" in str(again) and str(again) == message
 
 
 def test_a_worker_that_cannot_read_its_checkpoint_says_so(caplog: pytest.LogCaptureFixture) -> None:

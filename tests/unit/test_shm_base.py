@@ -9,7 +9,9 @@ from typing import Any
 import pytest
 import torch
 
+from hotweights.core import envelope
 from hotweights.core.delta import DeltaBase
+from hotweights.core.errors import DeltaBaseMismatchError
 from hotweights.engine.session import SessionOptions, session_of
 from hotweights.engine.worker_extension import HotWeightsWorkerExtension
 from hotweights.transports import shm
@@ -92,11 +94,16 @@ def test_a_worker_refuses_a_delta_when_it_did_not_install_the_base() -> None:
             method="reload",
             shared_base=base.descriptor(),
         )
-        answer = worker.hotweights_begin(options.model_dump_json())
-        assert answer == {"ok": False, "serving": "a version it did not install"}
+        with pytest.raises(DeltaBaseMismatchError) as info:
+            worker.hotweights_begin(options.model_dump_json())
+        assert (info.value.requested, info.value.base, info.value.serving) == (2, 1, "a version it did not install")
         session_of(worker).base.served = 9  # e.g. another trainer installed v9 since
-        answer = worker.hotweights_begin(options.model_dump_json())
-        assert answer == {"ok": False, "serving": "v9"}
+        with pytest.raises(DeltaBaseMismatchError) as info:
+            worker.hotweights_begin(options.model_dump_json())
+        assert (info.value.requested, info.value.base, info.value.serving) == (2, 1, "v9")
+        typed = envelope.decode(str(info.value))  # as a multiprocess engine's trainer receives it: text
+        assert isinstance(typed, DeltaBaseMismatchError)
+        assert (typed.requested, typed.base, typed.serving) == (2, 1, "v9")
         session_of(worker).base.served = 1
         assert worker.hotweights_begin(options.model_dump_json())["ok"] is True
         status = worker.hotweights_engine("status")

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, Literal, TypedDict
 
 from hotweights.adapters._wires import InProcessWire, Wire
 from hotweights.adapters.base import Items, PrefixCachePolicy, WeightInstallAdapter
-from hotweights.core import two_phase
+from hotweights.core import envelope, two_phase
 from hotweights.core.buckets import Bucket, default_bucket_bytes, plan_buckets
 from hotweights.core.cast import item_names, lazy_mapping
 from hotweights.core.delta import DeltaBase, EncodedDelta, StagedDelta
@@ -20,7 +20,6 @@ from hotweights.core.errors import (
     EngineNotSupportedError,
     EngineSleepingError,
     InstallError,
-    engine_refusal,
 )
 from hotweights.core.manifest import ExpectedWeights, WeightUpdateManifest
 from hotweights.core.report import PhaseTimer
@@ -263,9 +262,9 @@ class VLLMSessionAdapter(VLLMEngineAdapter):
             if self.transport is None:
                 return self._session(wire, options, (wire, list(delta.wire.items()), self._delta.base), timer)
             return self._session(wire, options, delta.wire, timer)
-        except DeltaBaseMismatchError as exc:
+        except DeltaBaseMismatchError:  # the workers' own, typed: the versions that met are in it
             self._delta.base = None  # the next install sends everything
-            raise DeltaBaseMismatchError(dm.weight_version, dm.base_version, exc.serving) from exc
+            raise
 
     @property
     def _keeps_base_on_workers(self) -> bool:
@@ -316,10 +315,7 @@ class VLLMSessionAdapter(VLLMEngineAdapter):
                 summaries = self._one_call(options, payload, plan, timer, sent)
             else:
                 with timer("begin"):  # the workers check the manifest and plan the method: refused before any byte
-                    answers = self.wire.begin(options)
-                refused = [str(a.get("serving")) for a in answers if not a.get("ok")]
-                if refused:
-                    raise DeltaBaseMismatchError(-1, -1, refused[0])
+                    self.wire.begin(options)  # a refusal (a delta's base the workers do not serve too) raises, typed
                 if sent is not None:
                     self._send(sent, payload, plan, timer, streaming)
                 if self.num_workers > 1 or member is not None:  # every worker (of every replica) ready first
@@ -376,17 +372,14 @@ class VLLMSessionAdapter(VLLMEngineAdapter):
                 except EngineNotSupportedError:
                     self._untouched()  # refused by the engine handle before the call left this process
                     raise
-            refused = [str(s["refused"]) for s in summaries if "refused" in s]
+            refused = [s["refused"] for s in summaries if isinstance(s, dict) and "refused" in s]
             if refused:  # raised here, so a transport waiting on the worker stops at once
                 self._untouched()  # the worker refused it before installing: nothing to recover
-                kind, _, why = refused[0].partition(": ")
-                if kind == "DeltaBaseMismatchError" and why.startswith("serving "):
-                    raise DeltaBaseMismatchError(-1, -1, why.removeprefix("serving "))
-                if kind == "EngineNotSupportedError":  # e.g. a forced direct install into a model it cannot prove
-                    raise EngineNotSupportedError(why)
-                raise engine_refusal(refused[0]) or InstallError(
-                    f"the engine's worker refused update {options_update_id(options, sent)} before installing it: "
-                    f"{refused[0]}. Nothing was written; fix the cause and install again."
+                typed = envelope.decode(refused[0])  # e.g. a forced direct install into a model it cannot prove
+                raise typed or InstallError(
+                    f"the engine's worker refused update {options_update_id(options, sent)} before installing it, "
+                    f"with an answer this hotweights cannot read ({str(refused[0])[:300]}). Nothing was written; "
+                    "run the same hotweights on the trainer and the engine."
                 )
 
         assert self.transport is not None and sent is not None and len(plan) == 1

@@ -14,8 +14,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from hotweights.core import envelope
 from hotweights.core.delta import DeltaBase
-from hotweights.core.errors import DeltaBaseMismatchError, EngineNotSupportedError, engine_refusal
+from hotweights.core.errors import EngineNotSupportedError
 from hotweights.core.manifest import WeightUpdateManifest
 from hotweights.engine.session import PROTOCOL, SessionOptions, refusal, session_of
 from hotweights.handles import EngineHandle
@@ -37,15 +38,16 @@ class Wire:
         self.timeout = timeout
 
     def call(self, method: str, *args: Any, kwargs: dict[str, Any] | None = None) -> Answers:
-        """``method`` on every worker; a manifest a worker refused comes back as
-        :class:`~hotweights.WeightManifestValidationError` (nothing was written)."""
+        """``method`` on every worker. What a worker raised comes back typed, decoded from its envelope (the one
+        place the trainer decodes what crosses from an engine: :func:`hotweights.core.envelope.decode`), chained
+        to what the engine handle raised; an error that carries no envelope is raised as it is."""
         try:
             return self.engine.call(method, *args, timeout=self.timeout, kwargs=kwargs)
         except Exception as exc:
-            refusal = engine_refusal(exc)
-            if refusal is None:
+            typed = envelope.decode(exc)
+            if typed is None:
                 raise
-            raise refusal from exc
+            raise typed from exc
 
     def begin(self, options: SessionOptions) -> Answers:
         raise NotImplementedError
@@ -114,15 +116,7 @@ class TransferAPIWire(Wire):
     engine's log."""
 
     def _update(self, **info: Any) -> Answers:
-        try:
-            return self.call("update_weights", kwargs={"update_info": info})
-        except Exception as exc:
-            from hotweights.engine.transfer_engine import DELTA_MISMATCH
-
-            text = str(exc)
-            if DELTA_MISMATCH in text:
-                raise DeltaBaseMismatchError(-1, -1, text.split(DELTA_MISMATCH, 1)[1].strip()) from exc
-            raise
+        return self.call("update_weights", kwargs={"update_info": info})
 
     def begin(self, options: SessionOptions) -> Answers:
         self.call("start_weight_update")
@@ -179,14 +173,12 @@ def _open_here(
     worker: Any, options: SessionOptions, manifest: WeightUpdateManifest | None, tensors: Any, base: DeltaBase | None
 ) -> None:
     """In the worker: begin, stage by reference, prepare. A delta applies to ``base``, the trainer's own copy lent
-    to the worker (one process, one copy)."""
+    to the worker (one process, one copy); one whose base the worker does not serve raises
+    :class:`~hotweights.DeltaBaseMismatchError` here, as it is."""
     session = session_of(worker)
     if options.delta is not None:
         session.base.copy = base
-    opened = session.begin(options, manifest)
-    if not opened.get("ok"):
-        raise DeltaBaseMismatchError(-1, -1, str(opened.get("serving")))
-    update_id = str(opened["update_id"])
+    update_id = str(session.begin(options, manifest)["update_id"])
     if manifest is not None:  # None: a delta that changes nothing, no wire to stage
         session.stage_tensors(update_id, tensors)
     problems = session.prepare(update_id)

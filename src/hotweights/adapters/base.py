@@ -274,12 +274,13 @@ class WeightInstallAdapter(ABC):
                         self._recover()
                     self._refuse_serving(manifest)
                 raise
+            what = _described(exc)
             if not self._may_have_written:
-                if isinstance(exc, HotWeightsError):
-                    raise
+                if isinstance(exc, HotWeightsError) and not (isinstance(exc, InstallError) and exc.origin):
+                    raise  # hotweights' own (also from an engine's process, decoded): as it is
                 raise InstallError(
                     f"update {manifest.update_id} (v{manifest.weight_version}) failed before the model was touched: "
-                    f"{type(exc).__name__}: {exc}. Still serving: {self._serving()}. Fix the cause and install again."
+                    f"{what}. Still serving: {self._serving()}. Fix the cause and install again."
                 ) from exc
             try:
                 cleared = self._recover()
@@ -288,7 +289,7 @@ class WeightInstallAdapter(ABC):
             closed = " Generation calls raise PartialUpdateError until then." if self._refuse_serving(manifest) else ""
             raise InstallError(
                 f"the engine failed while writing update {manifest.update_id} (v{manifest.weight_version}): "
-                f"{type(exc).__name__}: {exc}. Some layers may hold new weights; {cleared}. Install a full update "
+                f"{what}. Some layers may hold new weights; {cleared}. Install a full update "
                 f"again before serving.{closed}"
             ) from exc
         path, self._path = self._path, None
@@ -525,3 +526,11 @@ class WeightInstallAdapter(ABC):
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+def _described(exc: BaseException) -> str:
+    """``exc`` in an install error's message: its type and message (an error an engine's worker raised that is not
+    hotweights' own already starts with its type's name: :attr:`InstallError.origin`)."""
+    if isinstance(exc, InstallError) and exc.origin:
+        return str(exc)
+    return f"{type(exc).__name__}: {exc}"

@@ -21,12 +21,9 @@ Every message says what to do next.
 
 from __future__ import annotations
 
-import base64
-import json
-import re
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
-from typing import Any, Literal, cast
+from dataclasses import dataclass
+from typing import Any, Literal
 
 __all__ = [
     "DeltaBaseMismatchError",
@@ -95,7 +92,7 @@ class WeightManifestValidationError(HotWeightsError):
     ``mismatches`` lists every difference found, not just the first.
     """
 
-    def __init__(self, mismatches: Sequence[Mismatch], context: str = "weight update", *, wire: bool = False) -> None:
+    def __init__(self, mismatches: Sequence[Mismatch], context: str = "weight update") -> None:
         self.mismatches: tuple[Mismatch, ...] = tuple(mismatches)
         kinds = sorted({m.kind for m in self.mismatches})
         lines = [f"{context} refused, nothing was written: {len(self.mismatches)} mismatch(es)"]
@@ -103,33 +100,17 @@ class WeightManifestValidationError(HotWeightsError):
         if len(self.mismatches) > 50:
             lines.append(f"  ... and {len(self.mismatches) - 50} more (see .mismatches)")
         lines += [f"  fix ({k}): {_HINTS[k]}" for k in kinds]
-        if wire:  # raised in an engine process: the trainer rebuilds this error from the text (engine_refusal)
-            data = json.dumps([asdict(m) for m in self.mismatches[:1000]], separators=(",", ":")).encode()
-            lines.append(f"  [{_WIRE}{base64.urlsafe_b64encode(data).decode()}]")
         super().__init__("\n".join(lines))
 
 
-_WIRE = "hotweights-mismatches:"
-_WIRE_RE = re.compile(re.escape(_WIRE) + r"([A-Za-z0-9_=-]+)")
-_KINDS = frozenset(MismatchKind.__args__)  # type: ignore[attr-defined]
-
-
 def engine_refusal(error: BaseException | str) -> WeightManifestValidationError | None:
-    """The :class:`WeightManifestValidationError` an engine's worker raised, rebuilt from the text of the error
-    that came back through vLLM's RPC (or a remote server's reply); None when the text carries none."""
-    found = _WIRE_RE.search(str(error))
-    if found is None:
-        return None
-    try:
-        rows = json.loads(base64.urlsafe_b64decode(found.group(1)))
-        problems = [
-            Mismatch(cast(MismatchKind, r["kind"]), str(r["name"]), str(r["expected"]), str(r["actual"]))
-            for r in rows
-            if r.get("kind") in _KINDS
-        ]
-    except (ValueError, TypeError, KeyError, AttributeError):
-        return None
-    return WeightManifestValidationError(problems, context="weight update (checked by the engine's worker)")
+    """The :class:`WeightManifestValidationError` an engine's worker raised, rebuilt from what came back (the
+    error vLLM's RPC or a remote server made of it, or its text); None when that carries no such error. A thin
+    wrapper of :func:`hotweights.core.envelope.decode`, which rebuilds every error class."""
+    from hotweights.core.envelope import decode
+
+    found = decode(error)
+    return found if isinstance(found, WeightManifestValidationError) else None
 
 
 class UnsupportedLayoutError(HotWeightsError):
@@ -186,6 +167,11 @@ class EngineSleepingError(EngineNotSupportedError):
 
 class InstallError(HotWeightsError):
     """The engine raised while installing; the original error is chained as ``__cause__``."""
+
+    origin: str | None = None
+    """For an error raised in an engine's process that is not one of hotweights' own (e.g. a ``ValueError`` in a
+    worker) and crossed to the trainer as text: the name of its type (:mod:`hotweights.core.envelope`); None
+    otherwise."""
 
 
 class UnprovenFamilyError(EngineNotSupportedError):

@@ -10,9 +10,9 @@ there is one copy in all.
 
 A delta session (:mod:`hotweights.engine.session` with ``delta`` set) is all or nothing:
 
-1. ``begin``: refused (``{"ok": False, "serving": ...}``) unless the copy is exactly the delta's base version; its
-   wire tensors (indices, values, whole tensors) then come as buckets through any transport and are checked
-   against their manifest as they arrive.
+1. ``begin``: refused (:class:`~hotweights.DeltaBaseMismatchError`, with the delta's versions and what the worker
+   serves) unless the copy is exactly the delta's base version; its wire tensors (indices, values, whole tensors)
+   then come as buckets through any transport and are checked against their manifest as they arrive.
 2. ``prepare``: every wire tensor arrived; the delta is checked completely (indices in range, sorted, unique,
    counts, dtypes, digests) and the new tensors rebuilt aside. Nothing is written either way.
 3. ``commit``: every tensor of each block the delta touched (unchanged parts from the copy: fused q/k/v and gate/up

@@ -102,8 +102,8 @@ def check_manifest(owner: Any, manifest: WeightUpdateManifest) -> None:
     ``owner`` is the worker (or weight-transfer engine) with a ``vllm_config``; its expectation is read once.
 
     Raises:
-        WeightManifestValidationError: every mismatch (it crosses the RPC as text that
-            :func:`~hotweights.core.errors.engine_refusal` turns back into this error on the trainer's side).
+        WeightManifestValidationError: every mismatch (it leaves the worker with its envelope, which
+            :func:`~hotweights.core.envelope.decode` turns back into this error on the trainer's side).
     """
     config = getattr(owner, "vllm_config", None)
     if config is None:  # not a vLLM worker (a staging area driven by hand): no model to check against
@@ -122,6 +122,4 @@ def check_manifest(owner: Any, manifest: WeightUpdateManifest) -> None:
         return
     problems = expected.mismatches(manifest)
     if problems:
-        raise WeightManifestValidationError(
-            problems, context="weight update (checked by the engine's worker)", wire=True
-        )
+        raise WeightManifestValidationError(problems, context="weight update (checked by the engine's worker)")

@@ -29,8 +29,9 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar, cast
 import pydantic
 import torch
 
+from hotweights.core import envelope
 from hotweights.core.delta import DeltaManifest
-from hotweights.core.errors import Mismatch, MismatchKind, WeightManifestValidationError
+from hotweights.core.errors import DeltaBaseMismatchError, Mismatch, MismatchKind, WeightManifestValidationError
 from hotweights.core.manifest import WeightUpdateManifest
 from hotweights.engine import delta as delta_state
 from hotweights.engine.staging import InstallSession, StagingArea
@@ -43,8 +44,9 @@ __all__ = ["PROTOCOL", "SessionOptions", "WorkerSession", "refusal", "session_of
 log = logging.getLogger("hotweights")
 
 #: Version of this protocol; ``hotweights_engine("status")`` reports it, so a trainer can refuse a server that
-#: speaks another one.
-PROTOCOL = 2
+#: speaks another one. 3: refusals and failures cross as envelopes (:mod:`hotweights.core.envelope`), and a delta
+#: whose base the worker does not serve raises :class:`~hotweights.DeltaBaseMismatchError` at ``begin``.
+PROTOCOL = 3
 
 Summary = dict[str, int | str | float]
 
@@ -117,9 +119,9 @@ class WorkerSession:
     # ------------------------------------------------------------------ the protocol
     @_locked
     def begin(self, options: str | SessionOptions, manifest: WeightUpdateManifest | None = None) -> dict[str, Any]:
-        """Open a session. Returns ``{"ok": True, "update_id", "method", "reason"}``, or ``{"ok": False,
-        "serving": ...}`` for a delta whose base this worker does not hold. Refuses (raises) malformed options and a
-        manifest that differs from the checkpoint served, before anything is received; a session left open (by a
+        """Open a session. Returns ``{"ok": True, "update_id", "method", "reason"}``. Refuses (raises) malformed
+        options, a manifest that differs from the checkpoint served, and a delta whose base this worker does not
+        hold (:class:`~hotweights.DeltaBaseMismatchError`), before anything is received; a session left open (by a
         crashed trainer) is dropped only once the new one is accepted. ``manifest`` replaces ``options.manifest``
         for an in-process caller (no JSON round trip)."""
         if isinstance(options, str):
@@ -130,10 +132,9 @@ class WorkerSession:
             raise ValueError("verify needs an atomic commit: a streaming install keeps no copy of what it wrote")
         given: str | WeightUpdateManifest = manifest if manifest is not None else options.manifest
         opened = self._begin_delta(options, given) if options.delta is not None else self._begin_full(options, given)
-        if opened.get("ok") and options.keep_base:
+        if options.keep_base:
             self.base.tracking = True
-        if opened.get("ok"):
-            self._arm(str(opened["update_id"]), options.expires_s)
+        self._arm(str(opened["update_id"]), options.expires_s)
         return opened
 
     def _arm(self, update_id: str, seconds: float | None) -> None:
@@ -283,13 +284,12 @@ class WorkerSession:
         options: str | SessionOptions,
         stage: Callable[[str], object],
         manifest: WeightUpdateManifest | None = None,
-    ) -> Summary:
+    ) -> dict[str, Any]:
         """``begin``, ``stage(update_id)``, ``commit`` in one call (one worker: one RPC, or an in-process engine).
-        A refusal before the write drops the session and comes back as ``{"refused": "<why>"}``."""
+        A refusal before the write drops the session and comes back as ``{"refused": <envelope>}``
+        (:func:`hotweights.core.envelope.encode`: the error's type, message, mismatches and fields)."""
         try:
             opened = self.begin(options, manifest)
-            if not opened.get("ok"):
-                return {"refused": f"DeltaBaseMismatchError: serving {opened.get('serving')}"}
             update_id = str(opened["update_id"])
             stage(update_id)
             problems = self.prepare(update_id)
@@ -297,7 +297,7 @@ class WorkerSession:
                 raise refusal(problems)
         except Exception as exc:
             self.abort()
-            return {"refused": f"{type(exc).__name__}: {exc}"}
+            return {"refused": envelope.encode(exc)}
         return self.commit(update_id)
 
     # ------------------------------------------------------------------ helpers
@@ -338,7 +338,7 @@ class WorkerSession:
             self.base.share(options.shared_base)
         serving = self.base.serving(delta, shared=options.shared_base is not None)
         if serving is not None:
-            return {"ok": False, "serving": serving}
+            raise DeltaBaseMismatchError(delta.weight_version, delta.base_version, serving)
         if not delta.entries:  # no wire to stage: drop what was open here
             self.abort()
         delta_state.begin(self.base, self.staging, delta, wire)
@@ -360,4 +360,4 @@ def session_of(worker: Any, owner: Any = None) -> WorkerSession:
 
 def refusal(problems: list[dict[str, str]]) -> WeightManifestValidationError:
     found = [Mismatch(cast(MismatchKind, p["kind"]), p["name"], p["expected"], p["actual"]) for p in problems]
-    return WeightManifestValidationError(found, context="delta update (checked by the engine's worker)", wire=True)
+    return WeightManifestValidationError(found, context="delta update (checked by the engine's worker)")

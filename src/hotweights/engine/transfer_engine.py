@@ -17,7 +17,8 @@ only in ``update_info``)::
 Every session option (method, commit, delta) works as through the worker extension, but ``verify``:
 :class:`~hotweights.adapters.VLLMWeightTransferAdapter` refuses it, because vLLM's calls return nothing and what a
 read-back found could not come back. For the same reason what the session says (the method that ran, what was
-checked) stays in the engine's log; a refusal raises, and the trainer gets it back typed.
+checked) stays in the engine's log; a refusal raises, and leaves with its envelope (:mod:`hotweights.core.envelope`),
+so the trainer gets it back typed.
 """
 
 from __future__ import annotations
@@ -33,15 +34,13 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
+from hotweights.core.envelope import enveloped
 from hotweights.engine.session import SessionOptions, WorkerSession, refusal
 from hotweights.engine.worker_ops import reload_model
 
-__all__ = ["DELTA_MISMATCH", "HotWeightsInitInfo", "HotWeightsTransferEngine", "HotWeightsUpdateInfo"]
+__all__ = ["HotWeightsInitInfo", "HotWeightsTransferEngine", "HotWeightsUpdateInfo"]
 
 log = logging.getLogger("hotweights")
-
-#: Opens the error a worker raises for a delta whose base it does not serve (the trainer maps it back).
-DELTA_MISMATCH = "hotweights delta base mismatch, serving"
 
 
 @dataclass
@@ -103,6 +102,7 @@ class HotWeightsTransferEngine(WeightTransferEngine[HotWeightsInitInfo, HotWeigh
         self._session = WorkerSession(_Worker(self), owner=self)
         self._update_id: str | None = None
 
+    @enveloped
     def init_transfer_engine(self, init_info: HotWeightsInitInfo) -> None:
         if init_info.host is not None and init_info.port is not None and init_info.world_size is not None:
             from hotweights.transports.collective import init_worker_group
@@ -111,10 +111,12 @@ class HotWeightsTransferEngine(WeightTransferEngine[HotWeightsInitInfo, HotWeigh
                 self, init_info.host, init_info.port, init_info.world_size, init_info.backend, init_info.timeout
             )
 
+    @enveloped
     def start_weight_update(self) -> None:
         self._session.abort()  # a session a crashed trainer left open
         self._update_id = None
 
+    @enveloped
     def update_weights(self, update_info: dict[str, Any]) -> None:
         # vLLM's default synchronizes the accelerator, which raises on a CPU-only machine.
         self.receive_weights(self.parse_update_info(update_info))
@@ -131,10 +133,7 @@ class HotWeightsTransferEngine(WeightTransferEngine[HotWeightsInitInfo, HotWeigh
         if not options and update_info.manifest_json:
             options = SessionOptions(manifest=update_info.manifest_json)
         if options:
-            opened = session.begin(options)
-            if not opened.get("ok"):
-                raise ValueError(f"{DELTA_MISMATCH} {opened.get('serving')}")
-            self._update_id = str(opened["update_id"])
+            self._update_id = str(session.begin(options)["update_id"])
         if update_info.bucket_json:
             if update_info.descriptor is None:
                 raise ValueError("update_info with a bucket needs its 'descriptor'")
@@ -144,6 +143,7 @@ class HotWeightsTransferEngine(WeightTransferEngine[HotWeightsInitInfo, HotWeigh
             if problems:
                 raise refusal(problems)
 
+    @enveloped
     def finish_weight_update(self) -> None:
         if self._update_id is None:
             return

@@ -1,7 +1,8 @@
 """The engine side of every multiprocess transport, as a vLLM worker extension: six methods.
 
 Start the engine with ``LLM(..., worker_extension_cls=hotweights.WORKER_EXTENSION)``; the methods below are then
-reachable by name through ``collective_rpc`` (strings, ints, bytes and JSON only: no pickle anywhere).
+reachable by name through ``collective_rpc`` (strings, ints, bytes and JSON only: no pickle anywhere). An error
+any of them raises leaves with its envelope (:mod:`hotweights.core.envelope`): the trainer gets it back typed.
 
 Five of them are the install session (:mod:`hotweights.engine.session`): ``begin`` -> ``stage`` per bucket ->
 ``prepare`` -> ``commit``, or ``abort``. The sixth, ``hotweights_engine``, reads and sets the worker's state that
@@ -15,6 +16,7 @@ import json
 from collections.abc import Callable
 from typing import Any
 
+from hotweights.core.envelope import enveloped
 from hotweights.engine.session import PROTOCOL, WorkerSession, session_of
 
 __all__ = ["HotWeightsWorkerExtension"]
@@ -30,13 +32,14 @@ class HotWeightsWorkerExtension:
     def _hotweights(self) -> WorkerSession:
         return session_of(self)
 
+    @enveloped
     def hotweights_begin(
         self, options_json: str, bucket_json: str = "", descriptor: dict[str, Any] | None = None
     ) -> Any:
         """Open an install session (:class:`~hotweights.engine.session.SessionOptions`, JSON); one left open by a
         crashed trainer is dropped first. With a bucket, the whole update is that bucket: it is staged and
         committed in this one call (one worker: one RPC instead of three), and the commit's summary comes back, or
-        ``{"refused": "<why>"}`` when it was refused before anything was written."""
+        ``{"refused": <envelope>}`` when it was refused before anything was written."""
         if not bucket_json:
             return self._hotweights.begin(options_json)
         if descriptor is None:
@@ -45,24 +48,29 @@ class HotWeightsWorkerExtension:
             options_json, lambda update_id: self._hotweights.stage(update_id, bucket_json, descriptor)
         )
 
+    @enveloped
     def hotweights_stage(self, update_id: str, bucket_json: str, descriptor: dict[str, Any]) -> int:
         """Receive one bucket through its transport and check it aside; returns the bytes staged."""
         return self._hotweights.stage(update_id, bucket_json, descriptor)
 
+    @enveloped
     def hotweights_prepare(self, update_id: str) -> list[dict[str, str]]:
         """Ready the session to commit without writing (every bucket arrived; a delta rebuilt aside); the problems
         a delta has (none: ready)."""
         return self._hotweights.prepare(update_id)
 
+    @enveloped
     def hotweights_commit(self, update_id: str) -> dict[str, int | str | float]:
         """Install what the session staged, and say how (``install_method``, ``install_reason``), what was checked
         after transit (``digests_verified``) and what was read back."""
         return self._hotweights.commit(update_id)
 
+    @enveloped
     def hotweights_abort(self, update_id: str | None = None) -> bool:
         """Drop the open session (only ``update_id``'s when given); the model was never touched."""
         return self._hotweights.abort(update_id)
 
+    @enveloped
     def hotweights_engine(self, op: str, args_json: str = "{}") -> Any:
         """The worker's state outside a session: ``op`` is one of :data:`ENGINE_OPS`, ``args_json`` its arguments
         as a JSON object."""
