@@ -21,16 +21,24 @@ PATHS = [
 
 
 #: Cells the suite does not run, and why (everything else it ran, or says "not run").
-NOT_SUPPORTED = {
-    ("olmo2-float32-untied", "in-process"): "not supported: vLLM serves it through its Transformers backend, which "
-    "breaks the trainer's model of that class in the same process",
-}
+TRANSFORMERS_BACKEND_IN_PROCESS = (
+    "not supported: vLLM serves it through its Transformers backend, which breaks the trainer's model of that class "
+    "in the same process"
+)
+
+
+def not_run(variant: str, path: str) -> str:
+    from hotweights.testing import TRANSFORMERS_BACKEND
+
+    if path == "in-process" and variant.rsplit("-", 2)[0] in TRANSFORMERS_BACKEND:
+        return TRANSFORMERS_BACKEND_IN_PROCESS
+    return "not run"
 
 
 def table(cells: dict[str, dict[str, str]]) -> str:
     lines = ["| model | " + " | ".join(PATHS) + " |", "|---" * (len(PATHS) + 1) + "|"]
     for variant in sorted(cells):
-        row = [cells[variant].get(p, NOT_SUPPORTED.get((variant, p), "not run")).replace("|", "/") for p in PATHS]
+        row = [cells[variant].get(p, not_run(variant, p)).replace("|", "/") for p in PATHS]
         lines.append(f"| {variant} | " + " | ".join(row) + " |")
     return "\n".join(lines)
 

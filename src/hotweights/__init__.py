@@ -18,6 +18,7 @@ from hotweights import adapters as _adapters
 from hotweights._install import adapter_for, install, install_async
 from hotweights.core.errors import (
     DeltaBaseMismatchError,
+    EngineDiedError,
     EngineNotSupportedError,
     EngineSleepingError,
     FamilyProbeError,
@@ -47,6 +48,7 @@ __version__ = "0.1.0"
 __all__ = [
     "WORKER_EXTENSION",
     "DeltaBaseMismatchError",
+    "EngineDiedError",
     "EngineNotSupportedError",
     "EngineSleepingError",
     "ExpectedWeights",

@@ -105,6 +105,13 @@ def check_family(
         why = "unproven='refuse'"
     elif config is None or not handle.probes:
         why = f"{handle.describe()} cannot be probed from here (a vllm.LLM in this process can)"
+    elif handle.scheduler_paused() and not handle.is_sleeping():  # weights asleep: the adapter refuses that first
+        # the probe generates: on a paused scheduler (vLLM keeps it paused after a partial wake_up, e.g.
+        # wake_up(tags=["weights"]) with the KV cache still asleep) its generate never returns (seen: a hang)
+        why = (
+            f"the scheduler of {handle.describe()} is paused (asleep, or woken only partly: vLLM resumes it once the "
+            "KV cache is awake too), so the probe cannot generate; wake the engine fully before its first install"
+        )
     else:
         dtype = handle.engine_dtype()
 

@@ -219,13 +219,14 @@ def _install(
     handle: EngineHandle = as_engine(engine)
     if adapter is not None and getattr(adapter, "engine", handle) is not handle:
         raise ValueError("adapter= was built on another engine than the one passed to install; build it on this one")
-    handle.set_pause_mode(pause)
+    handle.check_pause_mode(pause)
     chosen = adapter or adapter_for(engine)
     items, manifest = update_for(
         chosen, tensors, weight_version, update_id=update_id, layout=layout, metadata=metadata, digests=digests
     )
     family = check_family(handle, items, unproven)
-    return chosen.install(manifest, items, force=force, delta=delta, verify=verify, cast=cast, family=family)
+    with handle.installing(pause, chosen.lock_timeout):
+        return chosen.install(manifest, items, force=force, delta=delta, verify=verify, cast=cast, family=family)
 
 
 def update_for(

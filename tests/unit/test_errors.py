@@ -10,6 +10,7 @@ import pytest
 import hotweights
 from hotweights import (
     DeltaBaseMismatchError,
+    EngineDiedError,
     EngineNotSupportedError,
     EngineSleepingError,
     FamilyProbeError,
@@ -31,6 +32,7 @@ from hotweights.core.errors import MismatchKind
 
 PUBLIC_ERRORS = [
     DeltaBaseMismatchError,
+    EngineDiedError,
     EngineNotSupportedError,
     EngineSleepingError,
     FleetAbortedError,

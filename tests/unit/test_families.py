@@ -97,3 +97,63 @@ def test_a_half_precision_tolerance_follows_the_models_own_rounding_and_still_ca
             if "layers.1.mlp" in k:
                 stale[k] = a.state_dict()[k]
         assert not ref.judge(list(reference(b.config, stale, torch.float32).logprobs))[0], arch  # a stale layer fails
+
+
+def test_bf16_tensors_into_a_bf16_engine_are_judged_by_their_own_rounding() -> None:
+    """Tensors already in the engine's half precision got the fp32 floor (0.02) as their tolerance while the engine's
+    kernels round differently from transformers' bf16 ones (seen: a Qwen3-Next probe refused, 0.155 away). The
+    reference now computes in fp32 and the bar is the model's own bf16 rounding, which still catches a stale layer."""
+    from hotweights.core.probe import FLOOR_MAX, _scores
+
+    for arch in ("qwen2", "gemma2"):
+        a, b = build_tiny_model(arch, 1), build_tiny_model(arch, 2)  # type: ignore[arg-type]
+        sent = {k: v.to(torch.bfloat16) for k, v in b.state_dict().items()}
+        ref = reference(b.config, sent, torch.bfloat16)
+        assert ref.tolerance > FLOOR_MAX, (arch, ref.tolerance)
+        fp32_compute = [float(x) for x in _scores(b.config, {k: v.float() for k, v in sent.items()}, ref.token_ids)]
+        bf16_compute = _scores(b.config, sent, ref.token_ids)
+        assert ref.judge(fp32_compute)[0] and ref.judge(bf16_compute)[0], arch  # either kernel's rounding passes
+        stale = {k: a.state_dict()[k].to(torch.bfloat16) if "layers.1.mlp" in k else v for k, v in sent.items()}
+        assert not ref.judge(_scores(b.config, stale, ref.token_ids))[0], arch  # a stale layer fails
+
+
+def test_an_unproven_family_on_a_paused_scheduler_is_refused_not_probed() -> None:
+    """The probe generates, and a generate on a paused scheduler never returns (vLLM keeps it paused after
+    ``wake_up(tags=["weights"])`` until the KV cache wakes too; seen: an install that hung): refused before writing.
+    Where the weights themselves sleep, the adapter's sleep refusal (the actionable one) comes first."""
+    from hotweights import UnprovenFamilyError
+    from hotweights._family import check_family
+
+    class Handle:
+        probes = True
+
+        def __init__(self, paused: bool, asleep: bool) -> None:
+            self.paused, self.asleep = paused, asleep
+
+        def model_config(self) -> object:
+            return tiny_config("qwen2")
+
+        def vllm_fixes(self) -> tuple[str, ...] | None:
+            return None
+
+        def family(self) -> tuple[str, str, str]:
+            return "Qwen2ForCausalLM", "0.31.0", "cpu"
+
+        def scheduler_paused(self) -> bool | None:
+            return self.paused
+
+        def is_sleeping(self) -> bool:
+            return self.asleep
+
+        def describe(self) -> str:
+            return "vllm.LLM (in-process)"
+
+        def engine_dtype(self) -> torch.dtype:
+            return torch.float32
+
+    with pytest.raises(UnprovenFamilyError, match=r"scheduler of vllm\.LLM \(in-process\) is paused.*wake the engine"):
+        check_family(Handle(paused=True, asleep=False), [], "probe")  # type: ignore[arg-type]
+    assert check_family(Handle(paused=False, asleep=False), [], "probe").probe is not None  # type: ignore[arg-type]
+    assert check_family(Handle(paused=True, asleep=True), [], "probe").probe is not None  # type: ignore[arg-type]
+    trusted = check_family(Handle(paused=True, asleep=False), [], "trust")  # type: ignore[arg-type]
+    assert trusted.probe is None and "trusted" in trusted.verdict

@@ -742,6 +742,9 @@ ENGINE_ARGS: dict[str, st.SearchStrategy[dict[str, Any]]] = {
         {"ids": st.none() | st.lists(st.sampled_from(["0" * 32, "../x"]) | hostile_text, max_size=5) | garbage}
     ),
     "forget_base": st.just({}),
+    "sees_shm": st.fixed_dictionaries(
+        {"name": st.sampled_from(["hotweights-proof-" + "0" * 32, "../../etc/passwd", "hotweights-proof-"]) | garbage}
+    ),
 }
 hostile_ops = (
     st.sampled_from(

@@ -27,6 +27,7 @@ from typing import Any, Literal
 
 __all__ = [
     "DeltaBaseMismatchError",
+    "EngineDiedError",
     "EngineNotSupportedError",
     "EngineSleepingError",
     "FamilyProbeError",
@@ -172,6 +173,11 @@ class InstallError(HotWeightsError):
     """For an error raised in an engine's process that is not one of hotweights' own (e.g. a ``ValueError`` in a
     worker) and crossed to the trainer as text: the name of its type (:mod:`hotweights.core.envelope`); None
     otherwise."""
+
+
+class EngineDiedError(InstallError):
+    """The engine's process ended while hotweights waited for it: nothing more can be installed into it. Start a new
+    engine; its log says why it died."""
 
 
 class UnprovenFamilyError(EngineNotSupportedError):

@@ -74,10 +74,10 @@ def reference(config: Any, tensors: Any, engine_dtype: torch.dtype) -> ProbeRefe
     """The probe's reference from ``tensors`` (a mapping or ``(name, tensor)`` pairs: transformers' in-memory names
     or the checkpoint's) and the engine's transformers ``config``.
 
-    Where the engine computes in another floating dtype than the tensors hold (a bf16 engine, fp32 master weights),
-    the scores are computed a second time from the tensors rounded to that dtype, and the tolerances are
-    :data:`NOISE_FACTOR` times the difference (never below :data:`FLOOR_MAX` and :data:`FLOOR_MEDIAN`): kernel rounding
-    of this very model sets the bar, not a constant.
+    The reference computes in fp32. Where the engine computes in half precision (whatever dtype the tensors hold: fp32
+    master weights, or bf16 tensors into a bf16 engine), the scores are computed a second time in the engine's dtype,
+    and the tolerances are :data:`NOISE_FACTOR` times the difference (never below :data:`FLOOR_MAX` and
+    :data:`FLOOR_MEDIAN`): kernel rounding of this very model sets the bar, not a constant.
 
     Raises:
         ValueError: transformers has no model class for ``config``, or the tensors do not fill it (named).
@@ -85,14 +85,20 @@ def reference(config: Any, tensors: Any, engine_dtype: torch.dtype) -> ProbeRefe
     state = dict(tensors.items() if hasattr(tensors, "items") else tensors)
     vocab = int(getattr(config, "vocab_size", 0) or getattr(_text(config), "vocab_size", 0))
     ids = probe_tokens(vocab)
-    scores = _scores(config, state, ids)
+    sent = _dtype_of(state)
+    half = engine_dtype.is_floating_point and engine_dtype.itemsize < 4
+    # the reference computes in fp32 where the engine or the tensors are half precision: what the sent values mean
+    scores = _scores(config, _cast(state, torch.float32) if half or sent.itemsize < 4 else state, ids)
     max_tol, median_tol = FLOOR_MAX, FLOOR_MEDIAN
-    if engine_dtype.is_floating_point and engine_dtype != _dtype_of(state):
-        rounded = {k: v.to(engine_dtype) if v.is_floating_point() else v for k, v in state.items()}
-        noise = [abs(a - b) for a, b in zip(_scores(config, rounded, ids), scores, strict=True)]
+    if half:  # the engine rounds weights and every layer's output: this model's own rounding sets the bar
+        noise = [abs(a - b) for a, b in zip(_scores(config, _cast(state, engine_dtype), ids), scores, strict=True)]
         max_tol = max(max_tol, NOISE_FACTOR * max(noise))
         median_tol = max(median_tol, NOISE_FACTOR * statistics.median(noise))
     return ProbeReference(ids, tuple(scores), round(max_tol, 6), round(median_tol, 6))
+
+
+def _cast(state: dict[str, Any], dtype: torch.dtype) -> dict[str, Any]:
+    return {k: v.to(dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() else v for k, v in state.items()}
 
 
 def _scores(config: Any, state: dict[str, Any], ids: tuple[int, ...]) -> list[float]:

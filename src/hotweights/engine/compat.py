@@ -55,10 +55,12 @@ __all__ = [
     "vllm_fixes_reach_workers",
     "vllm_version",
     "warn_untested_vllm",
+    "watch_core_calls",
     "weight_transfer_backend",
     "weights_asleep_here",
     "weights_asleep_inprocess",
     "worker_extension",
+    "worker_lacks",
 ]
 
 #: Tested vLLM release line.
@@ -174,6 +176,31 @@ def serialize_core_sends(llm: Any) -> bool:
 
         locked.__hotweights_lock__ = lock  # type: ignore[attr-defined]
         client._send_input = locked
+    return True
+
+
+def watch_core_calls(llm: Any) -> bool:
+    """Make every utility call of a multiprocess ``LLM``'s core client (``is_sleeping``, ``reset_prefix_cache``,
+    ``collective_rpc``, ...) fail with :class:`~hotweights.EngineDiedError` within a second of the engine core's
+    death (once per engine): vLLM's own call waits on a future that nothing completes once the engine core died.
+    True when the client's calls are watched."""
+    from hotweights.engine.liveness import watched_call
+
+    client = _llm_engine(llm).engine_core
+    call = getattr(client, "call_utility", None)
+    if not callable(call) or type(client).__name__ == "InprocClient" or getattr(client, "resources", None) is None:
+        return False
+    with _GATE_LOCK:
+        call = client.call_utility
+        if getattr(call, "__hotweights_watched__", False):
+            return True
+
+        @functools.wraps(call)
+        def watched(method: str, *args: Any) -> Any:
+            return watched_call(lambda: call(method, *args), llm, None, repr(method))
+
+        watched.__hotweights_watched__ = True  # type: ignore[attr-defined]
+        client.call_utility = watched
     return True
 
 
@@ -416,6 +443,8 @@ async def collective_rpc_all(
 ) -> list[Any]:
     """``collective_rpc`` on every worker of every data-parallel rank of an ``AsyncLLM``: one answer per worker,
     rank by rank (a single engine core: what ``collective_rpc`` returns)."""
+    if worker_lacks(method):
+        return [None] * num_workers(engine)
     if not dp_engines(engine):
         return list(await engine.collective_rpc(method, timeout, args, kwargs))
     per_rank = await engine.engine_core.call_utility_all_async("collective_rpc", method, timeout, args, kwargs)
@@ -427,13 +456,45 @@ def rpc(
 ) -> list[Any]:
     """``collective_rpc`` by method name (never a callable: that would need pickle in a multiprocess engine);
     a timeout becomes :class:`HotWeightsTimeoutError` naming the method."""
-    try:
-        return list(llm.collective_rpc(method, timeout=timeout, args=args, kwargs=kwargs))
+    if worker_lacks(method):
+        return [None] * num_workers(llm)
+    from hotweights.engine.liveness import watched_call
+
+    try:  # abandoned within a second of the engine's death (vLLM's own wait would last forever)
+        call = functools.partial(llm.collective_rpc, method, timeout=timeout, args=args, kwargs=kwargs)
+        return list(watched_call(call, llm, timeout, repr(method)))
+    except HotWeightsTimeoutError:
+        raise
     except TimeoutError as exc:
         raise HotWeightsTimeoutError(
             f"the engine's workers did not answer {method!r} within {timeout} s; check the engine is alive and "
             "not blocked, or raise rpc_timeout"
         ) from exc
+
+
+#: Worker methods hotweights calls by name that an older vLLM's ``Worker`` does not have, with the vLLM that added
+#: each. vLLM 0.31 has no ``shutdown_weight_transfer_engine`` (added in 0.32: release a trainer's connection; seen:
+#: every worker failed with "'CPUWorker' object has no attribute", so closing a collective transport of the
+#: native backend raised): there nothing can release the group by name, and it stays until the next
+#: ``init_weight_transfer_engine`` replaces it (hotweights' backend closes a stale group first) or the engine stops.
+#: Such a call is answered here, as the method would answer (None per worker), instead of failing in every worker.
+WORKER_METHODS_ADDED = {"shutdown_weight_transfer_engine": "0.32"}
+
+
+@functools.cache
+def worker_lacks(method: str) -> bool:
+    """Whether the installed vLLM's ``Worker`` lacks ``method`` of :data:`WORKER_METHODS_ADDED` (feature detection;
+    False where no vLLM can be imported here, e.g. a trainer talking to a server: the call goes to the workers)."""
+    if method not in WORKER_METHODS_ADDED:
+        return False
+    try:
+        from vllm.v1.worker.gpu_worker import Worker  # the base of the CPU worker too
+    except Exception:
+        return False
+    if hasattr(Worker, method):
+        return False
+    _log.debug("hotweights: this vLLM's workers have no %s (added in vLLM %s)", method, WORKER_METHODS_ADDED[method])
+    return True
 
 
 #: ``vllm.LLM`` methods that run the engine and therefore must not overlap an install.

@@ -575,6 +575,14 @@ CONTRACT: tuple[Entry, ...] = (
             ("finish_weight_update", ()),
         )
     ),
+    _e(
+        _WORKER,
+        "Worker.shutdown_weight_transfer_engine",
+        "method",
+        "adapters._wires.TransferAPIWire (leave_group)",
+        "releases a trainer's collective group (0.31 has none: compat.worker_lacks answers it)",
+        vllm=">=0.32",
+    ),
     _e("vllm.plugins", "load_general_plugins", "function", "vllm_plugin.register", "runs the entry point everywhere"),
     _e("vllm.plugins", "vllm.general_plugins", "literal", "pyproject entry point", "the plugin group hotweights joins"),
     _e("vllm.envs", "VLLM_PLUGINS", "literal", "compat.vllm_fixes_reach_workers", "an allow-list may omit hotweights"),

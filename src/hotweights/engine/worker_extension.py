@@ -13,6 +13,7 @@ delta copy.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -165,6 +166,24 @@ def _forget_base(worker: Any) -> bool:
     return session_of(worker).base.stop()
 
 
+#: The name of a file a trainer makes in its host's shared memory to learn whether an engine's workers see it.
+PROOF_NAME = re.compile(r"hotweights-proof-[0-9a-f]{32}")
+
+
+def _sees_shm(worker: Any, name: str) -> str:
+    """The content (at most 64 characters) of the trainer's proof file ``name`` (:data:`PROOF_NAME`, nothing else)
+    in this host's shared memory; ``""`` where this worker does not see it (another host, another container)."""
+    from hotweights.transports.shm import SHM_DIR
+
+    if not isinstance(name, str) or not PROOF_NAME.fullmatch(name):
+        raise ValueError("sees_shm reads only a trainer's proof file, hotweights-proof-<32 hex digits>")
+    try:
+        with open(SHM_DIR / name, encoding="ascii", errors="replace") as f:
+            return f.read(64)
+    except OSError:
+        return ""
+
+
 #: What ``hotweights_engine`` does, by operation name.
 ENGINE_OPS: dict[str, Callable[..., Any]] = {
     "status": _status,
@@ -174,4 +193,5 @@ ENGINE_OPS: dict[str, Callable[..., Any]] = {
     "leave_group": _leave_group,
     "release_segments": _release_segments,
     "forget_base": _forget_base,
+    "sees_shm": _sees_shm,
 }

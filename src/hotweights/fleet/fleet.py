@@ -41,6 +41,7 @@ from hotweights.core.report import InstallReport
 from hotweights.engine.session import MAX_EXPIRY_S
 from hotweights.fleet.report import Fenced, FleetReport
 from hotweights.handles import EngineHandle, as_engine
+from hotweights.handles.base import PauseMode
 from hotweights.telemetry import logger
 
 if TYPE_CHECKING:
@@ -148,7 +149,7 @@ class Fleet:
         adapters = self.adapters()
         pause = options.get("pause", "wait")
         for e in self.engines:
-            e.set_pause_mode(pause)
+            e.check_pause_mode(pause)
         items, manifest = update_for(
             adapters[0],
             tensors,
@@ -171,7 +172,7 @@ class Fleet:
             member = two_phase.Member(coordinator, i, bucket_bytes, self.staging_expiry)
             thread = threading.Thread(
                 target=run.member,
-                args=(member, adapter, manifest, items, {**kwargs, "family": families[i]}),
+                args=(member, self.engines[i], pause, adapter, manifest, items, {**kwargs, "family": families[i]}),
                 name=f"hotweights-fleet-{i}",
                 daemon=True,
             )
@@ -226,6 +227,8 @@ class _Run:
     def member(
         self,
         member: two_phase.Member,
+        engine: EngineHandle,
+        pause: PauseMode,
         adapter: WeightInstallAdapter,
         manifest: Any,
         items: Any,
@@ -233,7 +236,8 @@ class _Run:
     ) -> None:
         token = two_phase.enter(member)
         try:
-            self.outcomes[member.index] = adapter.install(manifest, items, **kwargs)
+            with engine.installing(pause, adapter.lock_timeout):  # one install at a time into each replica
+                self.outcomes[member.index] = adapter.install(manifest, items, **kwargs)
         except BaseException as exc:
             self.outcomes[member.index] = exc
             self.coordinator.failed(member.index, exc)

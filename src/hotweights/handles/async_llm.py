@@ -17,7 +17,7 @@ from typing import Any, ClassVar, TypeVar
 
 from hotweights.core.errors import HotWeightsTimeoutError, PartialUpdateError
 from hotweights.core.manifest import ExpectedWeights
-from hotweights.engine import compat
+from hotweights.engine import compat, liveness
 from hotweights.engine.expected import expected_weights
 from hotweights.handles.base import EngineHandle, PauseMode
 from hotweights.handles.sleep import SleepTracker
@@ -52,8 +52,8 @@ class AsyncLLMHandle(EngineHandle):
                 setattr(engine, name, _refusing(method, self._gate))
 
     def bind(self, loop: asyncio.AbstractEventLoop, pause: PauseMode) -> None:
-        """Drive the engine through ``loop`` (the one it runs on) and pause in-flight requests with ``pause``."""
-        self.set_pause_mode(pause)
+        """Drive the engine through ``loop`` (the one it runs on); ValueError for a ``pause`` it cannot honour."""
+        self.check_pause_mode(pause)
         self.loop = loop
 
     def run(self, coro: Coroutine[Any, Any, T], timeout: float | None, what: str) -> T:
@@ -66,6 +66,9 @@ class AsyncLLMHandle(EngineHandle):
                 "`await hotweights.install_async(engine, tensors, weight_version=step)`"
             )
         future = asyncio.run_coroutine_threadsafe(coro, loop)
+        if liveness.watchable(self.engine):
+            # watched: abandoned within a second of the engine core's death (vLLM's own wait would last forever)
+            return liveness.watched(future.result, self.engine, timeout, what, cancel=future.cancel)
         try:
             return future.result(timeout)
         except TimeoutError as exc:

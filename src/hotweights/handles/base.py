@@ -19,11 +19,13 @@ import json
 import logging
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any, ClassVar, Literal
 
 from hotweights.core.active import ActiveVersion
 from hotweights.core.delta import DeltaState
+from hotweights.core.errors import HotWeightsTimeoutError
 from hotweights.core.gate import WriteGate
 from hotweights.core.manifest import ExpectedWeights
 from hotweights.engine.compat import WORKER_EXTENSION
@@ -56,7 +58,7 @@ class EngineHandle(ABC):
     kind: ClassVar[str]
     #: The :data:`PauseMode` values this engine kind honours (a ``vllm.LLM`` can only wait).
     pause_modes: ClassVar[tuple[PauseMode, ...]] = ("wait",)
-    #: How the next install treats requests in flight (set by :meth:`set_pause_mode`).
+    #: How the install in progress treats requests in flight (set by :meth:`installing`).
     pause_mode: PauseMode = "wait"
 
     @property
@@ -81,14 +83,40 @@ class EngineHandle(ABC):
         assert isinstance(state, DeltaState)
         return state
 
-    def set_pause_mode(self, mode: PauseMode) -> None:
-        """Choose how installs treat requests in flight; ValueError for a mode this engine kind cannot honour."""
+    def check_pause_mode(self, mode: PauseMode) -> None:
+        """ValueError for a pause mode this engine kind cannot honour."""
         if mode not in self.pause_modes:
             raise ValueError(
                 f"pause={mode!r} is not available for a {self.describe()}: it supports {self.pause_modes} (a "
                 "vllm.LLM waits for running generation calls; 'abort' and 'keep' need an AsyncLLM or a server)"
             )
+
+    def set_pause_mode(self, mode: PauseMode) -> None:
+        """Choose how installs treat requests in flight (a :class:`~hotweights.Fleet` sets it on each member under
+        its own lock; :func:`hotweights.install` uses :meth:`installing`)."""
+        self.check_pause_mode(mode)
         self.pause_mode = mode
+
+    @contextmanager
+    def installing(self, pause: PauseMode, timeout: float | None) -> Iterator[None]:
+        """One install at a time into this engine, whatever adapter runs it, under its own ``pause`` mode: the mode
+        is per install, never left for a concurrent one to read (waits at most ``timeout`` s for another install)."""
+        self.check_pause_mode(pause)
+        lock = self.__dict__.get("_install_lock")
+        if lock is None:
+            with _VERSION_LOCK:
+                lock = self.__dict__.setdefault("_install_lock", threading.Lock())
+        if not lock.acquire(timeout=-1 if timeout is None else timeout):
+            raise HotWeightsTimeoutError(
+                f"waited {timeout} s for another install into this engine to finish; nothing was written. Retry "
+                "later or raise the adapter's lock_timeout"
+            )
+        try:
+            self.pause_mode = pause
+            yield
+        finally:
+            self.pause_mode = "wait"
+            lock.release()
 
     @property
     @abstractmethod

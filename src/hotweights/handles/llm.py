@@ -29,6 +29,7 @@ class LLMHandle(EngineHandle):
         self._gate: ServingGate | None = None
         self._sleep = SleepTracker(llm, is_async=False)
         compat.serialize_core_sends(llm)  # an install's calls and another thread's generate share one socket
+        compat.watch_core_calls(llm)  # a call into an engine core that died fails within a second, typed
 
     @property
     def num_workers(self) -> int:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import ipaddress
 import json
 import os
+import secrets
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -36,6 +37,7 @@ from hotweights.engine.vllm_plugin import BACKEND
 from hotweights.handles.base import EngineHandle, PauseMode
 from hotweights.handles.pause import PauseOwner
 from hotweights.telemetry import best_effort
+from hotweights.telemetry import logger as _log
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -147,6 +149,7 @@ class RemoteHandle(EngineHandle):
 
         self._new_client = client
         self._client = client()
+        self._same_host: bool | None = None
         self._gate = RemoteGate(self)
         self._num_workers = int(self._request("GET", "/get_world_size", params={"include_dp": "false"})["world_size"])
         self._config = self._server_config()
@@ -264,8 +267,32 @@ class RemoteHandle(EngineHandle):
 
     @property
     def same_host(self) -> bool:
-        """True for a Unix socket and for loopback addresses (the workers then map this host's ``/dev/shm``)."""
-        return _loopback(self._host)
+        """Whether the server's workers see this host's ``/dev/shm`` (and then map the trainer's buckets there).
+
+        With the worker extension, proved once per handle: every worker reads back a file made here just now (a
+        loopback URL that a port-forward or a container carries elsewhere proves nothing). A server without it (or
+        whose hotweights predates the proof) counts by its URL: a Unix socket or a loopback address."""
+        if self._same_host is None:
+            proved = self._prove_same_host() if self._extension == WORKER_EXTENSION else None
+            self._same_host = _loopback(self._host) if proved is None else proved
+        return self._same_host
+
+    def _prove_same_host(self) -> bool | None:
+        """True when every worker read back a file made here in shared memory, False when one did not; None when
+        the server cannot say."""
+        from hotweights.transports.shm import SHM_DIR
+
+        name, nonce = f"hotweights-proof-{secrets.token_hex(16)}", secrets.token_hex(16)
+        path = SHM_DIR / name
+        try:
+            path.write_text(nonce, encoding="ascii")
+            answers = self.call("hotweights_engine", "sees_shm", json.dumps({"name": name}), timeout=SHORT_TIMEOUT)
+        except (InstallError, EngineNotSupportedError, OSError) as exc:  # e.g. an older server: no such operation
+            _log.debug("hotweights: %s cannot prove it sees this host's shared memory: %s", self.url, exc)
+            return None
+        finally:
+            path.unlink(missing_ok=True)
+        return bool(answers) and all(a == nonce for a in answers)
 
     @property
     def same_hotweights(self) -> bool:

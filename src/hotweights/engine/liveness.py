@@ -1,0 +1,107 @@
+"""Calls into an engine that never outlive the engine: bounded, and abandoned within seconds of its death.
+
+vLLM's client waits for a call's answer on a future that nothing completes if the engine core dies while the call
+runs (its monitor marks the engine dead, but leaves the future waiting): such a call would wait forever. Here every
+wait on a multiprocess engine polls the engine's processes and fails with :class:`~hotweights.EngineDiedError` as
+soon as one has ended.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from hotweights.core.errors import EngineDiedError, HotWeightsTimeoutError
+
+__all__ = ["POLL_S", "death", "watchable", "watched", "watched_call"]
+
+T = TypeVar("T")
+
+#: Seconds between two checks that the engine's processes still live while a call waits.
+POLL_S = 0.5
+#: Seconds a call may take beyond its own timeout (vLLM's timeout, in the engine, fires first where it has one).
+GRACE_S = 5.0
+
+
+def _resources(engine: Any) -> Any:
+    """vLLM's client resources of an engine whose engine core runs in other processes (None: in this process)."""
+    return getattr(getattr(getattr(engine, "llm_engine", engine), "engine_core", None), "resources", None)
+
+
+def watchable(engine: Any) -> bool:
+    """Whether ``engine``'s engine core runs in other processes, whose death :func:`death` can tell."""
+    return _resources(engine) is not None
+
+
+def death(engine: Any) -> str | None:
+    """Why ``engine`` (a ``vllm.LLM`` or ``AsyncLLM``) can no longer answer, or None while it can (and where its
+    engine core runs in this process: a call there runs on the caller's thread)."""
+    resources = _resources(engine)
+    if resources is None:
+        return None
+    manager = getattr(resources, "engine_manager", None)
+    try:
+        ended = dict(manager.finished_procs()) if manager is not None else {}
+    except Exception:
+        ended = {}
+    if ended:
+        return "its engine-core process ended (" + ", ".join(f"{n}: exit code {c}" for n, c in ended.items()) + ")"
+    if getattr(resources, "engine_dead", False):
+        return "vLLM reports its engine core dead (it died, or the engine was shut down)"
+    return None
+
+
+def watched(
+    result: Callable[[float], T], engine: Any, timeout: float | None, what: str, cancel: Callable[[], Any] = lambda: 0
+) -> T:
+    """``result(poll)`` (a future's ``result``) until it answers, the engine dies (:class:`EngineDiedError`) or
+    ``timeout`` + :data:`GRACE_S` seconds pass (:class:`HotWeightsTimeoutError`); ``cancel`` runs on either."""
+    deadline = None if timeout is None else time.monotonic() + timeout + GRACE_S
+    while True:
+        wait = POLL_S if deadline is None else max(0.0, min(POLL_S, deadline - time.monotonic()))
+        try:
+            return result(wait)
+        except (TimeoutError, concurrent.futures.TimeoutError):
+            pass
+        why = death(engine)
+        if why is not None:
+            cancel()
+            raise EngineDiedError(
+                f"the engine died while hotweights waited for {what}: {why}. Nothing more can be installed into it; "
+                "start a new engine (and check its log for why it died)"
+            )
+        if deadline is not None and time.monotonic() >= deadline:
+            cancel()
+            raise HotWeightsTimeoutError(
+                f"the engine did not answer {what} within {timeout} s (+{GRACE_S:g} s); its processes live, so it may "
+                "be stuck: check its log, or raise the timeout"
+            )
+
+
+def watched_call(call: Callable[[], T], engine: Any, timeout: float | None, what: str) -> T:
+    """``call()`` (a blocking call into ``engine``), watched as :func:`watched` does: it runs on a daemon thread,
+    which is left to vLLM's own clean-up if the engine dies first. Where the engine runs in this process, ``call``
+    runs here."""
+    if not watchable(engine):
+        return call()
+    box: concurrent.futures.Future[T] = concurrent.futures.Future()
+
+    def run() -> None:
+        try:
+            box.set_result(call())
+        except BaseException as exc:  # handed to the waiting thread as it is
+            box.set_exception(exc)
+
+    threading.Thread(target=run, name=f"hotweights-call-{what}", daemon=True).start()
+    try:
+        return watched(box.result, engine, timeout, what)
+    except Exception as exc:
+        if type(exc).__name__ != "EngineDeadError":  # vLLM's, raised by a call into an engine it knows is dead
+            raise
+        raise EngineDiedError(
+            f"the engine is dead, so {what} cannot run: {death(engine) or exc}. Start a new engine (its log says why "
+            "it died)"
+        ) from exc

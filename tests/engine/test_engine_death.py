@@ -1,0 +1,61 @@
+"""An engine that dies while an install waits on it: the install fails within seconds, typed, instead of waiting
+forever (vLLM's client leaves a call's future waiting when its engine core dies)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable
+
+import pytest
+import torch
+
+import hotweights
+
+from .conftest import TinyCheckpoint, Variant, start_engine
+
+pytestmark = pytest.mark.engine
+
+VARIANT = Variant("qwen2", torch.float32, tie=False)
+
+
+def test_an_engine_killed_while_an_install_waits_fails_it_within_seconds(
+    checkpoint: Callable[[Variant, int], TinyCheckpoint],
+) -> None:
+    a, b = checkpoint(VARIANT, 1), checkpoint(VARIANT, 2)
+    llm = start_engine(a.path, multiprocess=True, worker_extension_cls=hotweights.WORKER_EXTENSION)
+    core = llm.llm_engine.engine_core
+    pid = core.resources.engine_manager.processes[0].pid
+    outcome: list[BaseException | hotweights.InstallReport] = []
+
+    def install() -> None:
+        try:
+            outcome.append(hotweights.install(llm, b.state_dict(), weight_version=1))
+        except BaseException as exc:  # the outcome under test
+            outcome.append(exc)
+
+    try:
+        os.kill(pid, signal.SIGSTOP)  # the engine stops answering: the install's first call waits on it
+        thread = threading.Thread(target=install, daemon=True)
+        thread.start()
+        time.sleep(2.0)
+        assert not outcome, outcome  # it waits: the engine lives, stopped
+        killed = time.monotonic()
+        os.kill(pid, signal.SIGKILL)  # ... and dies while the call waits
+        thread.join(30.0)
+        assert outcome, "the install still waits 30 s after the engine died"
+        took = time.monotonic() - killed
+        assert isinstance(outcome[0], hotweights.EngineDiedError), repr(outcome[0])
+        assert "engine-core process ended" in str(outcome[0]) or "dead" in str(outcome[0])
+        assert took < 10.0, took
+        # the next install into the dead engine is refused at once, typed
+        start = time.monotonic()
+        with pytest.raises(hotweights.EngineDiedError):
+            hotweights.install(llm, a.state_dict(), weight_version=2)
+        assert time.monotonic() - start < 10.0
+    finally:
+        with_ok = getattr(core, "shutdown", None)
+        if with_ok is not None:
+            with_ok()
