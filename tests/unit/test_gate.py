@@ -244,3 +244,40 @@ def test_a_join_waits_for_an_install_that_is_writing() -> None:
     assert joined.is_set()
     gate.leave_all()
     assert not gate.joined
+
+
+def test_an_install_waiting_on_a_dead_engine_fails_within_the_death_poll() -> None:
+    """Requests a dead engine holds never finish: the drain ends with EngineDiedError, not after its timeout."""
+    from hotweights import EngineDiedError
+
+    dead: list[str] = []
+    gate = ServingGate(idle=lambda: False, dead=lambda: dead[0] if dead else None)
+    threading.Timer(0.2, lambda: dead.append("its engine-core process ended (exit code -9)")).start()
+    t0 = time.perf_counter()
+    with pytest.raises(EngineDiedError, match="exit code -9"), gate.installing(timeout=30):
+        pass
+    assert time.perf_counter() - t0 < 0.2 + 2 * ServingGate.DEATH_POLL_S
+    with gate.serving(timeout=1):  # the gate is open again: generation gets vLLM's own error from the engine
+        pass
+
+
+def test_an_install_waiting_for_a_call_on_a_dead_engine_fails_too() -> None:
+    from hotweights import EngineDiedError
+
+    dead: list[str] = []
+    gate = ServingGate(dead=lambda: dead[0] if dead else None)
+    entered, done = threading.Event(), threading.Event()
+
+    def hung_call() -> None:
+        with gate.serving():
+            entered.set()
+            done.wait(10)
+
+    threading.Thread(target=hung_call, daemon=True).start()
+    assert entered.wait(5)
+    threading.Timer(0.2, lambda: dead.append("vLLM reports its engine core dead")).start()
+    try:
+        with pytest.raises(EngineDiedError, match="reports its engine core dead"), gate.installing(timeout=30):
+            pass
+    finally:
+        done.set()

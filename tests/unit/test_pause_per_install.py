@@ -74,7 +74,9 @@ def test_waiting_for_another_install_is_bounded_and_typed() -> None:
     engine = Handle()
     adapter = Adapter(engine, lock_timeout=0.3)
     sd = {"w": torch.zeros(2)}
-    first = threading.Thread(target=hotweights.install, args=(engine, sd), kwargs={"weight_version": 1, "adapter": adapter})
+    first = threading.Thread(
+        target=hotweights.install, args=(engine, sd), kwargs={"weight_version": 1, "adapter": adapter}
+    )
     first.start()
     assert adapter.entered.wait(5)
     try:

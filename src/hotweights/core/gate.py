@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from typing import Protocol
 
-from hotweights.core.errors import HotWeightsTimeoutError, PartialUpdateError
+from hotweights.core.errors import EngineDiedError, HotWeightsTimeoutError, PartialUpdateError
 
 __all__ = ["ServingGate", "WriteGate"]
 
@@ -65,8 +65,17 @@ class ServingGate:
         ...     pass
     """
 
-    def __init__(self, idle: Callable[[], bool] | None = None, poll: float = 0.005) -> None:
+    #: Seconds between two checks of ``dead`` while an install waits.
+    DEATH_POLL_S = 0.5
+
+    def __init__(
+        self, idle: Callable[[], bool] | None = None, poll: float = 0.005, dead: Callable[[], str | None] | None = None
+    ) -> None:
         self._idle = idle
+        self._dead = dead
+        """Why the engine can no longer answer (None while it can): an install waiting for work the engine will
+        never finish fails with :class:`EngineDiedError` instead of waiting out its timeout."""
+        self._dead_checked = 0.0
         """True when the engine has no unfinished work of its own: checked once the gate is held, so that work
         that never entered the gate (a call that began before the gate existed, or requests driven through the
         engine directly) is waited for too."""
@@ -171,11 +180,25 @@ class ServingGate:
     def _idle_now(self) -> bool:
         return self._idle is None or bool(self._idle())
 
+    def _check_alive(self) -> None:
+        """Raise :class:`EngineDiedError` once ``dead`` says why (checked at most every :attr:`DEATH_POLL_S`)."""
+        now = time.perf_counter()
+        if self._dead is None or now - self._dead_checked < self.DEATH_POLL_S:
+            return
+        self._dead_checked = now
+        why = self._dead()
+        if why is not None:
+            raise EngineDiedError(
+                f"the engine died while an install waited for its running requests: {why}. Nothing was written; "
+                "start a new engine (its log says why it died)"
+            )
+
     def _drain(self, start: float, timeout: float | None) -> None:
         """With the gate closed to new calls, wait for the engine's own unfinished work and for the work that
         joined it meanwhile (:meth:`join`)."""
         with self._cond:
             while self._serving or not self._idle_now():
+                self._check_alive()
                 if timeout is not None and time.perf_counter() - start > timeout:
                     raise HotWeightsTimeoutError(
                         f"install waited {timeout} s for the engine's unfinished requests (generation started "
@@ -185,6 +208,17 @@ class ServingGate:
                 self._cond.wait(self._poll)
             self._draining = False
 
+    def _wait_free(self, start: float, timeout: float | None) -> bool:
+        """(Holding the condition) wait until no install runs and no call holds the gate; False past ``timeout``."""
+        while self._installing or self._serving:
+            left = None if timeout is None else start + timeout - time.perf_counter()
+            if left is not None and left <= 0:
+                return False
+            self._check_alive()
+            slice_ = self.DEATH_POLL_S if self._dead is not None else None
+            self._cond.wait(left if slice_ is None else slice_ if left is None else min(left, slice_))
+        return True
+
     @contextmanager
     def installing(self, timeout: float | None = None) -> Iterator[float]:
         """Held by an install; waits for running generation calls to return. Yields the seconds it waited."""
@@ -192,11 +226,11 @@ class ServingGate:
         with self._cond:
             self._waiting_installs += 1
             try:
-                ok = self._cond.wait_for(lambda: not self._installing and self._serving == 0, timeout)
+                ok = self._wait_free(start, timeout)
             finally:
                 self._waiting_installs -= 1
+                self._cond.notify_all()  # generation held off by this waiting install may go (if it gave up)
             if not ok:
-                self._cond.notify_all()
                 raise HotWeightsTimeoutError(
                     f"install waited {timeout} s for {self._serving} running generation call(s) to return; "
                     "raise lock_timeout or install between rollouts"

@@ -172,7 +172,16 @@ def serialize_core_sends(llm: Any) -> bool:
         @functools.wraps(send)
         def locked(*args: Any, **kwargs: Any) -> Any:
             with lock:
-                return send(*args, **kwargs)
+                try:
+                    return send(*args, **kwargs)
+                except Exception as exc:
+                    # vLLM's monitor closes the socket of an engine core that died, maybe between send's liveness
+                    # check and its write (seen: ZMQError "Socket operation on non-socket"): say it is dead
+                    if type(exc).__name__ == "ZMQError" and getattr(client.resources, "engine_dead", False):
+                        from vllm.v1.engine.exceptions import EngineDeadError
+
+                        raise EngineDeadError() from exc
+                    raise
 
         locked.__hotweights_lock__ = lock  # type: ignore[attr-defined]
         client._send_input = locked
@@ -201,7 +210,39 @@ def watch_core_calls(llm: Any) -> bool:
 
         watched.__hotweights_watched__ = True  # type: ignore[attr-defined]
         client.call_utility = watched
+        _end_outputs_on_death(llm, client)
     return True
+
+
+def _end_outputs_on_death(llm: Any, client: Any) -> None:
+    """Once the engine core dies, hand its output reader vLLM's own ``EngineDeadError``: vLLM's monitor shuts the
+    client down, which stops the thread that fills the outputs queue without a word, so a ``generate`` running then
+    (``get_output``) would wait forever, and every install behind its gate with it."""
+    outputs = getattr(client, "outputs_queue", None)
+    if outputs is None or not callable(getattr(outputs, "put_nowait", None)):
+        return
+    try:
+        from vllm.v1.engine.exceptions import EngineDeadError
+    except ImportError:  # pragma: no cover - every supported vLLM has it
+        return
+
+    died = threading.Event()
+    get = client.get_output
+
+    def dead() -> None:
+        died.set()
+        outputs.put_nowait(EngineDeadError())  # wakes the reader waiting now
+
+    @functools.wraps(get)
+    def get_output() -> Any:
+        if died.is_set() and outputs.empty():  # and every later one (the error above went to one reader)
+            raise EngineDeadError()
+        return get()
+
+    from hotweights.engine.liveness import on_death
+
+    if on_death(llm, dead):
+        client.get_output = get_output
 
 
 def scheduler_paused(llm: Any) -> bool | None:
@@ -523,7 +564,9 @@ def serving_gate(llm: Any) -> ServingGate:
         gate = getattr(llm, "_hotweights_gate", None)
         if isinstance(gate, ServingGate):
             return gate
-        gate = ServingGate(idle=lambda: not has_unfinished_requests(llm))
+        from hotweights.engine.liveness import death
+
+        gate = ServingGate(idle=lambda: not has_unfinished_requests(llm), dead=lambda: death(llm))
         for name in GENERATION_METHODS:
             method = getattr(llm, name, None)
             if callable(method):

@@ -9,6 +9,7 @@ soon as one has ended.
 from __future__ import annotations
 
 import concurrent.futures
+import multiprocessing.connection
 import threading
 import time
 from collections.abc import Callable
@@ -16,7 +17,7 @@ from typing import Any, TypeVar
 
 from hotweights.core.errors import EngineDiedError, HotWeightsTimeoutError
 
-__all__ = ["POLL_S", "death", "watchable", "watched", "watched_call"]
+__all__ = ["POLL_S", "death", "on_death", "watchable", "watched", "watched_call"]
 
 T = TypeVar("T")
 
@@ -52,6 +53,26 @@ def death(engine: Any) -> str | None:
     if getattr(resources, "engine_dead", False):
         return "vLLM reports its engine core dead (it died, or the engine was shut down)"
     return None
+
+
+def on_death(engine: Any, callback: Callable[[], object]) -> bool:
+    """Run ``callback`` on a daemon thread once any engine-core process of ``engine`` has ended (at once if one has
+    already). The thread holds the processes' sentinels and ``callback``, never ``engine``. False where the engine
+    core runs in this process (nothing to watch)."""
+    manager = getattr(_resources(engine), "engine_manager", None)
+    sentinels = [p.sentinel for p in getattr(manager, "processes", None) or () if getattr(p, "sentinel", None)]
+    if not sentinels:
+        return False
+
+    def wait() -> None:
+        try:
+            multiprocessing.connection.wait(sentinels)
+        except (OSError, ValueError):  # the engine and its processes were dropped: nothing left to tell
+            return
+        callback()
+
+    threading.Thread(target=wait, name="hotweights-engine-death", daemon=True).start()
+    return True
 
 
 def watched(
