@@ -33,17 +33,13 @@ __all__ = ["InstallOptions", "adapter_for", "install", "install_async"]
 # The adapter lives on the engine handle (itself kept on the engine object): a registry keyed by the engine would
 # keep every engine alive. When the user drops the engine, all three go together.
 _ATTR = "_hotweights_adapter"
-_LOCKS_LOCK = threading.Lock()  # held only to make one engine's lock, never across I/O
 
 
 def _engine_lock(handle: EngineHandle) -> threading.Lock:
     """The lock that builds ``handle``'s adapter once: one per engine, so building one engine's adapter (checkpoint
     headers, a remote status call) never stalls another engine's first install."""
-    lock = handle.__dict__.get("_hotweights_adapter_lock")
-    if lock is None:
-        with _LOCKS_LOCK:
-            lock = handle.__dict__.setdefault("_hotweights_adapter_lock", threading.Lock())
-    return lock  # type: ignore[no-any-return]
+    lock: threading.Lock = handle.shared("_hotweights_adapter_lock", threading.Lock)
+    return lock
 
 
 def adapter_for(engine: Any) -> WeightInstallAdapter:

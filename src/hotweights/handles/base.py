@@ -65,23 +65,25 @@ class EngineHandle(ABC):
     def active_version(self) -> ActiveVersion:
         """The weight version this engine serves, shared by every adapter on it; seeded from the version the engine
         recorded (so monotonic versions hold across adapters, ``connect()`` calls and trainer restarts)."""
-        line = self.__dict__.get("_active_version")
-        if line is None:
-            with _VERSION_LOCK:
-                line = self.__dict__.get("_active_version")
-                if line is None:
-                    line = self.__dict__["_active_version"] = ActiveVersion(self.get_weight_version)
+        line: ActiveVersion = self.shared("_active_version", lambda: ActiveVersion(self.get_weight_version))
         return line
 
     @property
     def delta_state(self) -> DeltaState:
         """The trainer's delta base for this engine, shared by every adapter on it (see :class:`DeltaState`)."""
-        state = self.__dict__.get("_delta_state")
-        if not isinstance(state, DeltaState):
-            with _VERSION_LOCK:
-                state = self.__dict__.setdefault("_delta_state", DeltaState())
-        assert isinstance(state, DeltaState)
+        state: DeltaState = self.shared("_delta_state", DeltaState)
         return state
+
+    def shared(self, name: str, make: Callable[[], Any]) -> Any:
+        """This engine's ``name`` (state every adapter and install on it shares), made by ``make()`` once, also when
+        two threads ask first together."""
+        value = self.__dict__.get(name)
+        if value is None:
+            with _VERSION_LOCK:  # held only to make it, never across I/O
+                value = self.__dict__.get(name)
+                if value is None:
+                    value = self.__dict__[name] = make()
+        return value
 
     def check_pause_mode(self, mode: PauseMode) -> None:
         """ValueError for a pause mode this engine kind cannot honour."""
@@ -102,10 +104,7 @@ class EngineHandle(ABC):
         """One install at a time into this engine, whatever adapter runs it, under its own ``pause`` mode: the mode
         is per install, never left for a concurrent one to read (waits at most ``timeout`` s for another install)."""
         self.check_pause_mode(pause)
-        lock = self.__dict__.get("_install_lock")
-        if lock is None:
-            with _VERSION_LOCK:
-                lock = self.__dict__.setdefault("_install_lock", threading.Lock())
+        lock: threading.Lock = self.shared("_install_lock", threading.Lock)
         if not lock.acquire(timeout=-1 if timeout is None else timeout):
             raise HotWeightsTimeoutError(
                 f"waited {timeout} s for another install into this engine to finish; nothing was written. Retry "
