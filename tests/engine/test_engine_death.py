@@ -26,6 +26,7 @@ def test_an_engine_killed_while_an_install_waits_fails_it_within_seconds(
 ) -> None:
     a, b = checkpoint(VARIANT, 1), checkpoint(VARIANT, 2)
     llm = start_engine(a.path, multiprocess=True, worker_extension_cls=hotweights.WORKER_EXTENSION)
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the next module's engines run in-process again
     core = llm.llm_engine.engine_core
     pid = core.resources.engine_manager.processes[0].pid
     outcome: list[BaseException | hotweights.InstallReport] = []
@@ -75,6 +76,7 @@ def test_an_engine_killed_while_generating_and_installing_ends_both_within_secon
 
     a, b = checkpoint(VARIANT, 1), checkpoint(VARIANT, 2)
     llm = start_engine(a.path, multiprocess=True, worker_extension_cls=hotweights.WORKER_EXTENSION)
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the next module's engines run in-process again
     core = llm.llm_engine.engine_core
     pid = core.resources.engine_manager.processes[0].pid
     ended: dict[str, BaseException] = {}
