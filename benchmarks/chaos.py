@@ -10,8 +10,10 @@ any five consecutive seeds cover the five kinds):
 - **async**: an ``AsyncLLM`` shared by the run (``start_async_engine``: no extension, the weights-path adapter) on
   its own event-loop thread, fed a steady stream of requests; installs are ``install_async`` awaited on that loop,
   each with a ``pause`` mode drawn from "wait", "abort", "keep";
-- **killed**: a fresh multiprocess ``LLM`` with the worker extension whose engine-core process is SIGKILLed at a
-  random moment (0 to 0.5 s in) while a thread installs A, B, A, ... (versions 1, 2, 3, ...) into it.
+- **killed**: a fresh multiprocess engine whose engine-core process is SIGKILLed at a random moment (0 to 0.5 s in)
+  while installs of A, B, A, ... (versions 1, 2, 3, ...) go into it: an ``LLM`` with the worker extension and
+  generation threads, or (half the seeds) an ``AsyncLLM`` with request streams and ``install_async`` in a pause
+  mode drawn per install.
 
 Generation (every kind but async): 1 to 3 threads (2 or 3 for a fleet, spread over both replicas) loop
 ``llm.generate`` on 1 to 4 of ``hotweights.testing.PROMPTS`` (greedy, 8 tokens). The callers of one schedule's engines
@@ -488,7 +490,43 @@ def schedule_async(run: Run, rng: random.Random, outcome: Outcome) -> None:
 
 
 def schedule_killed(run: Run, rng: random.Random, outcome: Outcome) -> None:
-    """A fresh multiprocess ``LLM`` whose engine core is SIGKILLed while a thread installs into it."""
+    """A fresh multiprocess engine whose engine core is SIGKILLed while a thread installs into it: a ``vllm.LLM``
+    with the worker extension fed by generation threads, or (half the seeds) an ``AsyncLLM`` fed request streams."""
+    (schedule_killed_async if rng.random() < 0.5 else schedule_killed_llm)(run, rng, outcome)
+
+
+def judge_kill(
+    run: Run,
+    outcome: Outcome,
+    done: Callable[[float], bool],
+    ended: dict[str, Any],
+    killed: float,
+    installed: list[int],
+    again: Callable[[], Any],
+) -> None:
+    """The install under way at the kill returns within :data:`KILL_BOUND_S` with ``EngineDiedError``, and so does
+    ``again`` (a next install into the dead engine)."""
+    outcome.actions.append(f"SIGKILL after {installed[0]} installs")
+    if not done(run.hang_s):
+        outcome.fail(f"hang: the install into the killed engine did not return within {run.hang_s:g} s")
+        return
+    error, outcome.kill_s = ended["error"], ended["at"] - killed
+    outcome.actions.append(f"install returned {outcome.kill_s:.2f} s after the kill")
+    if outcome.kill_s < 0:
+        outcome.fail(f"an install failed before the kill: {type(error).__name__}: {error}")
+    elif outcome.kill_s > KILL_BOUND_S:
+        outcome.fail(f"the install returned {outcome.kill_s:.1f} s after the kill (bound {KILL_BOUND_S:g} s)")
+    if not isinstance(error, hotweights.HotWeightsError) or not died(error):
+        outcome.fail(f"the install into the killed engine raised {type(error).__name__}: {error}")
+    start = time.monotonic()
+    ok, value = bounded(run, outcome, "the next install", again)
+    if ok or not died(value):
+        outcome.fail(f"the next install into the dead engine gave {type(value).__name__}: {value}")
+    elif time.monotonic() - start > KILL_BOUND_S:
+        outcome.fail(f"the next install into the dead engine took {time.monotonic() - start:.1f} s")
+
+
+def schedule_killed_llm(run: Run, rng: random.Random, outcome: Outcome) -> None:
     from vllm.v1.engine.exceptions import EngineDeadError
 
     before = ours()
@@ -513,35 +551,95 @@ def schedule_killed(run: Run, rng: random.Random, outcome: Outcome) -> None:
     time.sleep(rng.uniform(0.0, 0.5))
     killed = time.monotonic()
     os.kill(pid, signal.SIGKILL)
-    installer.join(run.hang_s)
-    outcome.actions.append(f"SIGKILL after {installed[0]} installs")
-    if installer.is_alive():
-        outcome.fail(f"hang: the install into the killed engine did not return within {run.hang_s:g} s")
-    else:
-        error, outcome.kill_s = ended["error"], ended["at"] - killed
-        outcome.actions.append(f"install returned {outcome.kill_s:.2f} s after the kill")
-        if outcome.kill_s < 0:
-            outcome.fail(f"an install failed before the kill: {type(error).__name__}: {error}")
-        elif outcome.kill_s > KILL_BOUND_S:
-            outcome.fail(f"the install returned {outcome.kill_s:.1f} s after the kill (bound {KILL_BOUND_S:g} s)")
-        if not isinstance(error, hotweights.HotWeightsError) or not died(error):
-            outcome.fail(f"the install into the killed engine raised {type(error).__name__}: {error}")
-        start = time.monotonic()
-        ok, value = bounded(
-            run,
-            outcome,
-            "the next install",
-            lambda: hotweights.install(llm, run.models["A"].state_dict(), weight_version=10**6),
-        )
-        if ok or not died(value):
-            outcome.fail(f"the next install into the dead engine gave {type(value).__name__}: {value}")
-        elif time.monotonic() - start > KILL_BOUND_S:
-            outcome.fail(f"the next install into the dead engine took {time.monotonic() - start:.1f} s")
+
+    def done(wait: float) -> bool:
+        installer.join(wait)
+        return not installer.is_alive()
+
+    judge_kill(
+        run,
+        outcome,
+        done,
+        ended,
+        killed,
+        installed,
+        lambda: hotweights.install(llm, run.models["A"].state_dict(), weight_version=10**6),
+    )
     stop.set()
     joined(run, outcome, threads, "a generating thread of the killed engine")
     ok, value = bounded(run, outcome, "stopping the killed engine", lambda: stop_engine(llm))
     if not ok and value is not None:
         outcome.actions.append(f"(stopping it: {type(value).__name__})")
+    left = sorted(ours() - before)
+    if left:
+        outcome.fail(f"the killed engine's files are left in /dev/shm: {left}")
+
+
+def schedule_killed_async(run: Run, rng: random.Random, outcome: Outcome) -> None:
+    from vllm.v1.engine.exceptions import EngineDeadError
+
+    outcome.actions.append("AsyncLLM")
+    before = ours()
+    loop = EventLoopThread()
+    engine = loop.call(start_async_engine, run.paths["A"])
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    pid = engine.engine_core.resources.engine_manager.processes[0].pid
+    stop = threading.Event()
+
+    async def stream(prompts: list[int]) -> None:
+        try:
+            while not stop.is_set():
+                await asyncio.gather(*(request(engine, list(PROMPTS[i])) for i in prompts))
+                outcome.called()
+        except (hotweights.HotWeightsError, EngineDeadError):
+            pass  # typed, or vLLM's own word that its engine died
+        except BaseException as exc:
+            outcome.fail(f"untyped error from a request: {type(exc).__name__}: {exc}")
+
+    streams = [
+        asyncio.run_coroutine_threadsafe(
+            stream(sorted(rng.sample(range(len(PROMPTS)), rng.randint(1, len(PROMPTS))))), loop.loop
+        )
+        for _ in range(rng.randint(1, 3))
+    ]
+    ended: dict[str, Any] = {}
+    installed = [0]
+
+    async def installs() -> None:
+        try:
+            for v in itertools.count(1):
+                tensors = dict(run.models["BA"[v % 2]].state_dict())
+                await hotweights.install_async(engine, tensors, weight_version=v, pause=rng.choice(PAUSES))
+                installed[0] = v
+        except BaseException as exc:
+            ended.update(error=exc, at=time.monotonic())
+
+    installer = asyncio.run_coroutine_threadsafe(installs(), loop.loop)
+    time.sleep(rng.uniform(0.0, 0.5))
+    killed = time.monotonic()
+    os.kill(pid, signal.SIGKILL)
+
+    def again() -> Any:
+        coro = hotweights.install_async(engine, run.models["A"].state_dict(), weight_version=10**6)
+        return asyncio.run_coroutine_threadsafe(coro, loop.loop).result(run.hang_s)
+
+    judge_kill(
+        run,
+        outcome,
+        lambda wait: bool(concurrent.futures.wait([installer], wait).done),
+        ended,
+        killed,
+        installed,
+        again,
+    )
+    stop.set()
+    for s in streams:
+        if not concurrent.futures.wait([s], run.hang_s).done:
+            outcome.fail("hang: a request stream of the killed engine did not stop")
+    ok, value = bounded(run, outcome, "stopping the killed engine", engine.shutdown)
+    if not ok and value is not None:
+        outcome.actions.append(f"(stopping it: {type(value).__name__})")
+    loop.close()
     left = sorted(ours() - before)
     if left:
         outcome.fail(f"the killed engine's files are left in /dev/shm: {left}")

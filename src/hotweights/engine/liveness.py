@@ -78,8 +78,9 @@ def on_death(engine: Any, callback: Callable[[], object]) -> bool:
 def watched(
     result: Callable[[float], T], engine: Any, timeout: float | None, what: str, cancel: Callable[[], Any] = lambda: 0
 ) -> T:
-    """``result(poll)`` (a future's ``result``) until it answers, the engine dies (:class:`EngineDiedError`) or
-    ``timeout`` + :data:`GRACE_S` seconds pass (:class:`HotWeightsTimeoutError`); ``cancel`` runs on either."""
+    """``result(poll)`` (a future's ``result``) until it answers, the engine dies or vLLM says it is dead
+    (:class:`EngineDiedError`), or ``timeout`` + :data:`GRACE_S` seconds pass (:class:`HotWeightsTimeoutError`);
+    ``cancel`` runs on the first and the last."""
     deadline = None if timeout is None else time.monotonic() + timeout + GRACE_S
     while True:
         wait = POLL_S if deadline is None else max(0.0, min(POLL_S, deadline - time.monotonic()))
@@ -87,6 +88,13 @@ def watched(
             return result(wait)
         except (TimeoutError, concurrent.futures.TimeoutError):
             pass
+        except Exception as exc:
+            if type(exc).__name__ != "EngineDeadError":  # vLLM's, raised by a call into an engine it knows is dead
+                raise
+            raise EngineDiedError(
+                f"the engine is dead, so {what} cannot run: {death(engine) or exc}. Start a new engine (its log says "
+                "why it died)"
+            ) from exc
         why = death(engine)
         if why is not None:
             cancel()
@@ -117,12 +125,4 @@ def watched_call(call: Callable[[], T], engine: Any, timeout: float | None, what
             box.set_exception(exc)
 
     threading.Thread(target=run, name=f"hotweights-call-{what}", daemon=True).start()
-    try:
-        return watched(box.result, engine, timeout, what)
-    except Exception as exc:
-        if type(exc).__name__ != "EngineDeadError":  # vLLM's, raised by a call into an engine it knows is dead
-            raise
-        raise EngineDiedError(
-            f"the engine is dead, so {what} cannot run: {death(engine) or exc}. Start a new engine (its log says why "
-            "it died)"
-        ) from exc
+    return watched(box.result, engine, timeout, what)
