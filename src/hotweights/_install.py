@@ -64,13 +64,13 @@ def adapter_for(engine: Any) -> WeightInstallAdapter:
         adapter = getattr(handle, _ATTR, None)
         if adapter is None:
             if handle.inprocess:
-                adapter = VLLMInProcessWeightReloadAdapter(getattr(handle, "llm", engine), install_method="auto")
+                adapter = VLLMInProcessWeightReloadAdapter(handle, install_method="auto")
             elif handle.worker_extension == compat.WORKER_EXTENSION:
-                adapter = VLLMMultiprocessAdapter(engine, transport=handle.default_transport)
+                adapter = VLLMMultiprocessAdapter(handle, transport=handle.default_transport)
             elif handle.weight_transfer_backend == BACKEND:
-                adapter = VLLMWeightTransferAdapter(engine, transport=handle.default_transport)
+                adapter = VLLMWeightTransferAdapter(handle, transport=handle.default_transport)
             elif handle.same_host:
-                adapter = VLLMWeightsPathAdapter(engine)
+                adapter = VLLMWeightsPathAdapter(handle)
             else:
                 raise EngineNotSupportedError(
                     f"{handle.describe()} runs on another host and was started with neither hotweights' worker "
@@ -167,7 +167,7 @@ def install(
             "this is an AsyncLLM: its calls are awaited on its event loop, so install from async code with "
             "`report = await hotweights.install_async(engine, tensors, weight_version=step)`"
         )
-    return _install(engine, tensors, weight_version, **options)
+    return _install(handle, tensors, weight_version, **options)
 
 
 async def install_async(
@@ -192,11 +192,11 @@ async def install_async(
 
         assert isinstance(handle, AsyncLLMHandle)
         handle.bind(asyncio.get_running_loop(), options.get("pause", "wait"))
-    return await asyncio.to_thread(_install, engine, tensors, weight_version, **options)
+    return await asyncio.to_thread(_install, handle, tensors, weight_version, **options)
 
 
 def _install(
-    engine: Any,
+    handle: EngineHandle,
     tensors: TensorsLike,
     weight_version: int,
     *,
@@ -212,11 +212,10 @@ def _install(
     cast: Cast | None = None,
     unproven: Unproven | None = None,
 ) -> InstallReport:
-    handle: EngineHandle = as_engine(engine)
     if adapter is not None and getattr(adapter, "engine", handle) is not handle:
         raise ValueError("adapter= was built on another engine than the one passed to install; build it on this one")
     handle.check_pause_mode(pause)
-    chosen = adapter or adapter_for(engine)
+    chosen = adapter or adapter_for(handle)
     items, manifest = update_for(
         chosen, tensors, weight_version, update_id=update_id, layout=layout, metadata=metadata, digests=digests
     )

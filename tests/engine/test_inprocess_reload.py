@@ -86,6 +86,8 @@ def test_report_and_versions(engine: Engine) -> None:
     assert list(report.phases) == [
         "validate",
         "begin",
+        "transfer",  # by reference: the tensors are handed over, nothing is copied
+        "prepare",
         "wait_generation",
         "install",
         "reset_prefix_cache",

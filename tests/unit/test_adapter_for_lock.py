@@ -24,17 +24,16 @@ def test_a_slow_adapter_build_does_not_block_another_engine(monkeypatch: pytest.
 
         def __init__(self, name: str) -> None:
             self.name = name
-            self.llm = name
 
     for method in Handle.__abstractmethods__:
         setattr(Handle, method, lambda *a, **k: None)
     Handle.__abstractmethods__ = frozenset()
 
-    def build(llm: Any, **kwargs: Any) -> Any:
-        if llm == "slow":
+    def build(handle: Any, **kwargs: Any) -> Any:
+        if handle.name == "slow":
             started.set()
             release.wait(10)
-        built.append(llm)
+        built.append(handle.name)
         return object()
 
     monkeypatch.setattr(_install, "VLLMInProcessWeightReloadAdapter", build)

@@ -18,6 +18,7 @@ from hotweights.adapters._wires import ExtensionWire, TransferAPIWire
 from hotweights.core import envelope
 from hotweights.core import errors as errors_module
 from hotweights.core.delta import DeltaBase
+from hotweights.core.envelope import engine_refusal
 from hotweights.core.errors import (
     DeltaBaseMismatchError,
     FleetPartialCommitError,
@@ -28,7 +29,6 @@ from hotweights.core.errors import (
     StaleWeightVersionError,
     WeightManifestValidationError,
     WeightVersionUnknownError,
-    engine_refusal,
 )
 from hotweights.engine.session import SessionOptions
 from hotweights.engine.worker_extension import HotWeightsWorkerExtension

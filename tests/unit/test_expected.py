@@ -12,7 +12,7 @@ from safetensors.torch import save_file
 
 from hotweights import Mismatch, WeightManifestValidationError, WeightUpdateManifest
 from hotweights.core import envelope
-from hotweights.core.errors import engine_refusal
+from hotweights.core.envelope import engine_refusal
 from hotweights.engine.expected import check_manifest, checkpoint_dir, expected_from_config
 
 

@@ -64,7 +64,7 @@ class BucketAdapter(WeightInstallAdapter):
     def __init__(self, transport: WeightTransport, bucket_bytes: int) -> None:
         super().__init__()
         self.transport = transport
-        self.bucket_size = bucket_bytes
+        self.bucket_bytes = bucket_bytes
         self.staged: list[tuple[int, Descriptor]] = []
         self.wire = self  # the bucket loop stages through its wire: here, into the list
 
@@ -79,7 +79,7 @@ class BucketAdapter(WeightInstallAdapter):
         self, manifest: WeightUpdateManifest, items: Sequence[tuple[str, torch.Tensor]], timer: PhaseTimer
     ) -> None:
         self._begin_writing(timer)
-        self._send(manifest, dict(items), plan_buckets(manifest, self.bucket_size), timer, False)
+        self._send(manifest, dict(items), plan_buckets(manifest, self.bucket_bytes), timer, False)
 
     def _recover(self) -> str:
         return "nothing to recover"

@@ -135,3 +135,21 @@ def test_a_worker_method_this_vllm_lacks_is_answered_here() -> None:
         parallel = type("Parallel", (), {"world_size": 2})()
         LLM.llm_engine.vllm_config = type("Config", (), {"parallel_config": parallel})()  # type: ignore[attr-defined]
         assert compat.rpc(LLM(), "shutdown_weight_transfer_engine") == [None, None]
+
+
+def test_a_streaming_install_marks_vllms_weight_update_where_vllm_keeps_the_flag() -> None:
+    """vLLM 0.34's ``start_reload``/``finish_reload`` set ``lifecycle._weight_update_active`` (models that accept part
+    of a checkpoint per ``load_weights`` read it); hotweights' streaming reload opens the layerwise reload itself, so
+    it sets the flag the same way (the contract holds the name on 0.34)."""
+    import importlib
+
+    have = find_spec("vllm.model_executor.model_loader.reload.lifecycle") is not None
+    try:
+        assert compat.mark_weight_update(True) is have
+        if have:
+            lifecycle = importlib.import_module("vllm.model_executor.model_loader.reload.lifecycle")
+            assert lifecycle.weight_update_active()
+    finally:
+        compat.mark_weight_update(False)
+    if have:
+        assert not lifecycle.weight_update_active()

@@ -5,11 +5,12 @@ install session (:mod:`hotweights.engine.session`), the session itself: options,
 from __future__ import annotations
 
 import json
+import sys
 import time
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, Literal, TypedDict
 
-from hotweights.adapters._wires import InProcessWire, Wire
+from hotweights.adapters._wires import Wire
 from hotweights.adapters.base import Items, PrefixCachePolicy, WeightInstallAdapter
 from hotweights.core import envelope, two_phase
 from hotweights.core.buckets import Bucket, default_bucket_bytes, plan_buckets
@@ -109,8 +110,6 @@ class VLLMEngineAdapter(WeightInstallAdapter):
             version=self.engine.active_version,
             delta_state=self.engine.delta_state,
         )
-        self.llm = engine
-        """The engine object this adapter was given."""
 
     def _validate(
         self, manifest: WeightUpdateManifest, items: Items, force: bool
@@ -151,8 +150,8 @@ class VLLMEngineAdapter(WeightInstallAdapter):
 
 class VLLMSessionAdapter(VLLMEngineAdapter):
     """Base of the adapters that run the install session: a configuration of the engine's handle, a wire
-    (:mod:`hotweights.adapters._wires`: how the session's calls reach the workers), a transport (how the bytes
-    travel; None: by reference, in-process) and the session's options (method, commit, verify).
+    (:mod:`hotweights.adapters._wires`: how the session's calls reach the workers), a transport (how the tensors
+    travel: ``reference`` for an engine in this process) and the session's options (method, commit, verify).
 
     It is also the :class:`~hotweights.transports.EngineLink` its transport connects through.
     """
@@ -164,7 +163,7 @@ class VLLMSessionAdapter(VLLMEngineAdapter):
         engine: Any,
         *,
         wire: Callable[[EngineHandle, float | None], Wire],
-        transport: str | WeightTransport | None,
+        transport: str | WeightTransport,
         bucket_bytes: int | None = None,
         install_method: InstallMethod = "auto",
         commit: CommitMode = "atomic",
@@ -187,8 +186,7 @@ class VLLMSessionAdapter(VLLMEngineAdapter):
         self.wire = wire(self.engine, rpc_timeout)
         self.bucket_bytes = bucket_bytes
         self.transport = make_transport(transport) if isinstance(transport, str) else transport
-        if self.transport is not None:
-            self.transport.connect(self)
+        self.transport.connect(self)
 
     @property
     def rpc_timeout(self) -> float | None:
@@ -199,14 +197,28 @@ class VLLMSessionAdapter(VLLMEngineAdapter):
     def label(self) -> str:
         method = "" if self.install_method in ("auto", "reload") else f"-{self.install_method}"
         commit = "" if self.commit == "atomic" else f"-{self.commit}"
-        via = f"-{self.transport.name}" if self.transport is not None else ""
+        via = "" if self.transport.by_reference else f"-{self.transport.name}"
         return f"{self.name}{via}{method}{commit}"
 
     @property
-    def bucket_size(self) -> int:
-        """Bytes per bucket: ``bucket_bytes``, or the transport's preferred size capped by free memory."""
-        assert self.transport is not None
+    def bucket_size(self) -> int | None:
+        """Bytes per bucket: ``bucket_bytes``, or the transport's preferred size capped by free memory; None where
+        the transport hands the whole update over by reference (one bucket, nothing packed)."""
+        if self.transport.by_reference:
+            return None
         return self.bucket_bytes or default_bucket_bytes(self.transport.preferred_bucket_bytes)
+
+    @property
+    def sends_bytes(self) -> bool:
+        return not self.transport.by_reference
+
+    @property
+    def stages_apart(self) -> bool:
+        return self.commit == "atomic"
+
+    @property
+    def shared_transport(self) -> WeightTransport | None:
+        return self.transport if self.transport.shareable else None
 
     # ------------------------------------------------------------------ EngineLink (for the transport)
     @property
@@ -223,9 +235,8 @@ class VLLMSessionAdapter(VLLMEngineAdapter):
         return self.wire.engine_op(op, **args)
 
     # ------------------------------------------------------------------ the session
-    def _options(self, manifest: str = "", **more: Any) -> SessionOptions:
+    def _options(self, **more: Any) -> SessionOptions:
         return SessionOptions(
-            manifest=manifest,
             method=self.install_method,
             commit=self.commit,
             verify=self._verify_now,
@@ -237,12 +248,8 @@ class VLLMSessionAdapter(VLLMEngineAdapter):
         if self._verify_now and self.commit == "streaming":
             raise ValueError("verify=True needs commit='atomic': a streaming install keeps no copy of what it wrote")
         keep = self._delta.tracking and self._keeps_base_on_workers and not self._shares_base
-        if self.transport is None:  # in-process: manifest and tensors by reference
-            sent = self._sent_manifest(manifest, item_names(items))
-            return self._session(sent, self._options(keep_base=keep), (sent, items, None), timer)
-        tensors = lazy_mapping(items)
-        sent = self._sent_manifest(manifest, tensors)
-        return self._session(sent, self._options(sent.to_json(), keep_base=keep), tensors, timer)
+        sent = self._sent_manifest(manifest, item_names(items))
+        return self._session(sent, self._options(keep_base=keep), lazy_mapping(items), timer)
 
     def _install_delta(
         self, manifest: WeightUpdateManifest, delta: EncodedDelta, staged: StagedDelta, timer: PhaseTimer
@@ -251,7 +258,6 @@ class VLLMSessionAdapter(VLLMEngineAdapter):
         wire = dm.wire_manifest(delta.wire if manifest.has_digests else None)
         shared = self._shared_base() if self._shares_base else None
         options = SessionOptions(
-            manifest=wire.to_json() if wire is not None and self.transport is not None else "",
             delta=dm.to_json(),
             method=self.install_method,
             keep_base=self._keeps_base_on_workers and shared is None,
@@ -259,8 +265,6 @@ class VLLMSessionAdapter(VLLMEngineAdapter):
             expires_s=_expiry(),
         )
         try:
-            if self.transport is None:
-                return self._session(wire, options, (wire, list(delta.wire.items()), self._delta.base), timer)
             return self._session(wire, options, delta.wire, timer)
         except DeltaBaseMismatchError:  # the workers' own, typed: the versions that met are in it
             self._delta.base = None  # the next install sends everything
@@ -269,13 +273,13 @@ class VLLMSessionAdapter(VLLMEngineAdapter):
     @property
     def _keeps_base_on_workers(self) -> bool:
         """Whether the workers keep their own copy for deltas (in-process, the trainer's copy is lent instead)."""
-        return self.transport is not None
+        return not self.transport.by_reference
 
     @property
     def _shares_base(self) -> bool:
         """Whether the workers map the trainer's copy from this host's shared memory instead of keeping their own
         (one copy per host: :mod:`hotweights.transports.shm_base`)."""
-        return self.transport is not None and self.engine.same_host
+        return not self.transport.by_reference and self.engine.same_host
 
     def _capture_base(self, items: Items, version: int) -> DeltaBase:
         if self._shares_base:
@@ -291,38 +295,28 @@ class VLLMSessionAdapter(VLLMEngineAdapter):
         return base
 
     def _session(
-        self, sent: WeightUpdateManifest | None, options: SessionOptions, payload: Any, timer: PhaseTimer
+        self, sent: WeightUpdateManifest | None, options: SessionOptions, tensors: Any, timer: PhaseTimer
     ) -> dict[str, Any]:
-        """Run one session: begin, every bucket through the transport, prepare (several workers), commit; abort on
-        any failure. ``sent`` describes what crosses (None: a delta that changes nothing)."""
+        """Run one session: begin, every bucket through the transport, prepare, commit; abort on any failure.
+        ``sent`` describes what crosses (None: a delta that changes nothing)."""
         streaming = options.commit == "streaming" and options.delta is None
         member = two_phase.current()  # inside a fleet: stop between staged and written (see core.two_phase)
-        plan = (
-            plan_buckets(sent, member.bucket_bytes if member else self.bucket_size, whole_layers=streaming)
-            if sent is not None and self.transport is not None
-            else []
-        )
+        size = member.bucket_bytes if member and self.bucket_size else self.bucket_size
+        plan = plan_buckets(sent, size or sys.maxsize, whole_layers=streaming) if sent is not None else []
         update_id = sent.update_id if sent is not None else _delta_id(options)
+        lent = self._delta.base if options.delta is not None and self.transport.by_reference else None
         try:
-            if isinstance(self.wire, InProcessWire):  # by reference: begin, stage and prepare in one plain call
-                with timer("begin"):
-                    self.wire.open(options, payload)
-                two_phase.commit_point()
-                self._begin_writing(timer)
-                with timer("install"):
-                    summaries = self.wire.commit(update_id)
-            elif self.wire.one_call and len(plan) == 1 and not streaming and member is None:
-                summaries = self._one_call(options, payload, plan, timer, sent)
+            if self.wire.one_call and len(plan) == 1 and not streaming and member is None and sent is not None:
+                summaries = self._one_call(options, sent, tensors, plan, timer)
             else:
                 with timer("begin"):  # the workers check the manifest and plan the method: refused before any byte
-                    self.wire.begin(options)  # a refusal (a delta's base the workers do not serve too) raises, typed
+                    self.wire.begin(options, sent, lent)  # a refusal (a delta's base the workers lack too): typed
                 if sent is not None:
-                    self._send(sent, payload, plan, timer, streaming)
-                if self.num_workers > 1 or member is not None:  # every worker (of every replica) ready first
-                    with timer("prepare"):
-                        found = [p for worker in self.wire.prepare(update_id) for p in worker]
-                    if found:
-                        raise refusal(found)
+                    self._send(sent, tensors, plan, timer, streaming)
+                with timer("prepare"):  # every worker (of every replica) ready first, nothing written
+                    found = [p for worker in self.wire.prepare(update_id) for p in worker]
+                if found:
+                    raise refusal(found)
                 two_phase.commit_point()
                 self._begin_writing(timer)
                 with timer("install"):
@@ -341,7 +335,6 @@ class VLLMSessionAdapter(VLLMEngineAdapter):
         self, sent: WeightUpdateManifest, tensors: Any, plan: list[Bucket], timer: PhaseTimer, streaming: bool
     ) -> None:
         """Every bucket of ``plan`` through the transport, each staged by every worker."""
-        assert self.transport is not None
         with timer("transfer"), bucket_progress(plan, f"{self.label} v{sent.weight_version}") as buckets:
             for bucket in buckets:
 
@@ -355,20 +348,20 @@ class VLLMSessionAdapter(VLLMEngineAdapter):
     def _one_call(
         self,
         options: SessionOptions,
-        payload: Any,
+        sent: WeightUpdateManifest,
+        tensors: Any,
         plan: list[Bucket],
         timer: PhaseTimer,
-        sent: WeightUpdateManifest | None,
     ) -> list[dict[str, Any]]:
-        """The whole session in one call: in-process, or a one-bucket update into one worker (once the trainer
-        wrote the bucket). The ``transfer`` phase is the trainer's write."""
+        """The whole session in one call: a one-bucket update into one worker (once the trainer wrote the bucket).
+        The ``transfer`` phase is the trainer's write."""
         summaries: list[dict[str, Any]] = []
 
         def run(call_payload: Any) -> None:
             self._begin_writing(timer)  # the gate is held before the worker may write
             with timer("install"):
                 try:
-                    summaries[:] = self.wire.install(options, call_payload)
+                    summaries[:] = self.wire.install(options, sent, call_payload)
                 except EngineNotSupportedError:
                     self._untouched()  # refused by the engine handle before the call left this process
                     raise
@@ -377,19 +370,19 @@ class VLLMSessionAdapter(VLLMEngineAdapter):
                 self._untouched()  # the worker refused it before installing: nothing to recover
                 typed = envelope.decode(refused[0])  # e.g. a forced direct install into a model it cannot prove
                 raise typed or InstallError(
-                    f"the engine's worker refused update {options_update_id(options, sent)} before installing it, "
+                    f"the engine's worker refused update {sent.update_id} before installing it, "
                     f"with an answer this hotweights cannot read ({str(refused[0])[:300]}). Nothing was written; "
                     "run the same hotweights on the trainer and the engine."
                 )
 
-        assert self.transport is not None and sent is not None and len(plan) == 1
+        assert len(plan) == 1
         start = time.perf_counter()
 
         def deliver(descriptor: Descriptor) -> None:
             timer.add("transfer", time.perf_counter() - start)
             run((plan[0].model_dump_json(), descriptor))
 
-        self.transport.send(plan[0], payload, deliver)
+        self.transport.send(plan[0], tensors, deliver)
         return summaries
 
     def _summary(self, summaries: list[dict[str, Any]], sent: WeightUpdateManifest | None) -> dict[str, Any]:
@@ -421,8 +414,7 @@ class VLLMSessionAdapter(VLLMEngineAdapter):
                 self.wire.engine_op("forget_base")
 
     def close(self) -> None:
-        if self.transport is not None:
-            self.transport.close()
+        self.transport.close()
 
 
 def _expiry() -> float | None:
@@ -434,8 +426,3 @@ def _expiry() -> float | None:
 
 def _delta_id(options: SessionOptions) -> str:
     return str(json.loads(options.delta or "{}").get("update_id", ""))
-
-
-def options_update_id(options: SessionOptions, sent: WeightUpdateManifest | None) -> str:
-    """The update's id, for messages."""
-    return sent.update_id if sent is not None else _delta_id(options)

@@ -1,24 +1,26 @@
 """How the trainer's calls of the install session reach the workers: one wire per way into an engine.
 
-The session itself (:mod:`hotweights.engine.session`) is the same everywhere; a wire only carries its five calls
-(``begin``, ``stage``, ``prepare``, ``commit``, ``abort``) and the worker operations a transport needs:
+The session itself (:mod:`hotweights.engine.session`) is the same everywhere; a wire carries its five calls
+(``begin``, ``stage``, ``prepare``, ``commit``, ``abort``), the one-call install where it has one, and the worker
+operations a transport needs (:class:`Wire`):
 
 - :class:`ExtensionWire`: hotweights' worker extension, by ``collective_rpc`` (any multiprocess engine, a server);
 - :class:`TransferAPIWire`: vLLM's own weight-transfer API (``start_weight_update`` ... ``finish_weight_update``)
   with the ``"hotweights"`` backend;
-- :class:`InProcessWire`: an engine in this process, whose worker is called directly, tensors by reference.
+- :class:`InProcessWire`: an engine in this process, whose worker is called directly: the manifest by reference,
+  the tensors through the ``reference`` transport.
 """
 
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, Protocol
 
 from hotweights.core import envelope
 from hotweights.core.delta import DeltaBase
 from hotweights.core.errors import EngineNotSupportedError
 from hotweights.core.manifest import WeightUpdateManifest
-from hotweights.engine.session import PROTOCOL, SessionOptions, refusal, session_of
+from hotweights.engine.session import PROTOCOL, SessionOptions, session_of
 from hotweights.handles import EngineHandle
 from hotweights.transports import Descriptor
 
@@ -27,10 +29,50 @@ __all__ = ["ExtensionWire", "InProcessWire", "TransferAPIWire", "Wire"]
 Answers = list[Any]
 
 
-class Wire:
-    """The session's calls on every worker of one engine; one answer per worker."""
+class Wire(Protocol):
+    """The session's calls on every worker of one engine."""
 
+    #: Seconds each call may take before :class:`~hotweights.HotWeightsTimeoutError` (None: no limit).
+    timeout: float | None
     #: Whether :meth:`install` can begin, stage and commit a one-bucket update in one call.
+    one_call: bool
+
+    def begin(
+        self, options: SessionOptions, manifest: WeightUpdateManifest | None = None, lent: DeltaBase | None = None
+    ) -> None:
+        """Open the session on every worker: ``manifest`` is what crosses (None: a delta that changes nothing, or
+        ``options.manifest`` already holds it); ``lent``, the trainer's delta base, where the workers borrow it.
+        A refusal raises, typed."""
+        ...
+
+    def stage(self, update_id: str, bucket_json: str, descriptor: Descriptor) -> None:
+        """One bucket, staged by every worker."""
+        ...
+
+    def prepare(self, update_id: str) -> list[list[dict[str, str]]]:
+        """Every worker ready to commit, nothing written; each worker's problems (a delta's mismatches)."""
+        ...
+
+    def commit(self, update_id: str) -> list[dict[str, Any]]:
+        """Install what was prepared; each worker's summary (none where the wire's calls return nothing)."""
+        ...
+
+    def abort(self, update_id: str) -> None:
+        """Drop the session on every worker (bounded: it runs on failure paths)."""
+        ...
+
+    def install(self, options: SessionOptions, manifest: WeightUpdateManifest, payload: Any) -> Answers:
+        """Begin, stage ``payload`` (bucket JSON, descriptor) and commit in one call, where :attr:`one_call`."""
+        ...
+
+    def engine_op(self, op: str, **args: Any) -> Answers:
+        """A worker operation a transport needs (``join_group``, ``release_segments``, ...) on every worker."""
+        ...
+
+
+class _RPCWire:
+    """What the wires that reach workers by ``collective_rpc`` share: typed errors, the manifest as JSON."""
+
     one_call: bool = False
 
     def __init__(self, engine: EngineHandle, timeout: float | None) -> None:
@@ -49,30 +91,23 @@ class Wire:
                 raise
             raise typed from exc
 
-    def begin(self, options: SessionOptions) -> Answers:
-        raise NotImplementedError
+    @staticmethod
+    def _with(options: SessionOptions, manifest: WeightUpdateManifest | None, lent: DeltaBase | None) -> str:
+        """``options`` as JSON, carrying ``manifest`` (nothing crosses by reference here)."""
+        if lent is not None:
+            raise EngineNotSupportedError("a delta base is lent only to a worker in this process")
+        if manifest is not None and not options.manifest:
+            options = options.model_copy(update={"manifest": manifest.to_json()})
+        return options.model_dump_json()
 
-    def stage(self, update_id: str, bucket_json: str, descriptor: Descriptor) -> None:
-        raise NotImplementedError
-
-    def prepare(self, update_id: str) -> Answers:
-        raise NotImplementedError
-
-    def commit(self, update_id: str) -> Answers:
-        raise NotImplementedError
-
-    def abort(self, update_id: str) -> None:
-        raise NotImplementedError
-
-    def install(self, options: SessionOptions, payload: Any) -> Answers:
-        """Begin, stage ``payload`` and commit in one call (where :attr:`one_call`)."""
-        raise NotImplementedError
+    def install(self, options: SessionOptions, manifest: WeightUpdateManifest, payload: Any) -> Answers:
+        raise EngineNotSupportedError(f"{type(self).__name__} has no one-call install")
 
     def engine_op(self, op: str, **args: Any) -> Answers:
         raise EngineNotSupportedError(f"{type(self).__name__} cannot run the worker operation {op!r}")
 
 
-class ExtensionWire(Wire):
+class ExtensionWire(_RPCWire):
     """The worker extension's six methods (:mod:`hotweights.engine.worker_extension`)."""
 
     def __init__(self, engine: EngineHandle, timeout: float | None) -> None:
@@ -87,30 +122,32 @@ class ExtensionWire(Wire):
                     f"this trainer speaks {PROTOCOL}: run the same hotweights on the trainer and on the server"
                 )
 
-    def begin(self, options: SessionOptions) -> Answers:
-        return self.call("hotweights_begin", options.model_dump_json())
+    def begin(
+        self, options: SessionOptions, manifest: WeightUpdateManifest | None = None, lent: DeltaBase | None = None
+    ) -> None:
+        self.call("hotweights_begin", self._with(options, manifest, lent))
 
     def stage(self, update_id: str, bucket_json: str, descriptor: Descriptor) -> None:
         self.call("hotweights_stage", update_id, bucket_json, descriptor)
 
-    def prepare(self, update_id: str) -> Answers:
+    def prepare(self, update_id: str) -> list[list[dict[str, str]]]:
         return self.call("hotweights_prepare", update_id)
 
-    def commit(self, update_id: str) -> Answers:
+    def commit(self, update_id: str) -> list[dict[str, Any]]:
         return self.call("hotweights_commit", update_id)
 
     def abort(self, update_id: str) -> None:
         self.engine.call("hotweights_abort", update_id, timeout=30.0)
 
-    def install(self, options: SessionOptions, payload: Any) -> Answers:
+    def install(self, options: SessionOptions, manifest: WeightUpdateManifest, payload: Any) -> Answers:
         bucket_json, descriptor = payload
-        return self.call("hotweights_begin", options.model_dump_json(), bucket_json, descriptor)
+        return self.call("hotweights_begin", self._with(options, manifest, None), bucket_json, descriptor)
 
     def engine_op(self, op: str, **args: Any) -> Answers:
         return self.call("hotweights_engine", op, json.dumps(args))
 
 
-class TransferAPIWire(Wire):
+class TransferAPIWire(_RPCWire):
     """vLLM's four phases, with the session's steps as the ``"hotweights"`` backend's ``update_info``
     (:mod:`hotweights.engine.transfer_engine`). vLLM's calls return nothing: a commit's summary stays in the
     engine's log."""
@@ -118,22 +155,23 @@ class TransferAPIWire(Wire):
     def _update(self, **info: Any) -> Answers:
         return self.call("update_weights", kwargs={"update_info": info})
 
-    def begin(self, options: SessionOptions) -> Answers:
+    def begin(
+        self, options: SessionOptions, manifest: WeightUpdateManifest | None = None, lent: DeltaBase | None = None
+    ) -> None:
+        options_json = self._with(options, manifest, lent)
         self.call("start_weight_update")
-        update_id = _update_id(options)
-        self._update(update_id=update_id, options_json=options.model_dump_json())
-        return [{"ok": True, "update_id": update_id}] * self.engine.num_workers
+        self._update(update_id=_update_id(options, manifest), options_json=options_json)
 
     def stage(self, update_id: str, bucket_json: str, descriptor: Descriptor) -> None:
         self._update(update_id=update_id, bucket_json=bucket_json, descriptor=descriptor)
 
-    def prepare(self, update_id: str) -> Answers:
-        self._update(update_id=update_id, prepare=True)
-        return [[] for _ in range(self.engine.num_workers)]
+    def prepare(self, update_id: str) -> list[list[dict[str, str]]]:
+        self._update(update_id=update_id, prepare=True)  # a worker's problems raise, typed
+        return []
 
-    def commit(self, update_id: str) -> Answers:
+    def commit(self, update_id: str) -> list[dict[str, Any]]:
         self.call("finish_weight_update")
-        return [{} for _ in range(self.engine.num_workers)]
+        return []  # vLLM's call returns nothing
 
     def abort(self, update_id: str) -> None:
         self.engine.call(
@@ -149,41 +187,65 @@ class TransferAPIWire(Wire):
         return super().engine_op(op, **args)
 
 
-class InProcessWire(Wire):
+class InProcessWire:
     """An engine whose worker runs in this process: the session is called directly (by ``collective_rpc`` with a
-    function, which in-process is a plain call), manifest and tensors by reference. Its errors arrive as raised,
-    typed: nothing crosses a process boundary."""
+    function, which in-process is a plain call), the manifest by reference and the tensors through the
+    ``reference`` transport. Its errors arrive as raised, typed: nothing crosses a process boundary."""
 
-    def __init__(self, engine: EngineHandle, llm: Any, timeout: float | None) -> None:
-        super().__init__(engine, timeout)
+    one_call = False
+
+    def __init__(self, llm: Any, timeout: float | None) -> None:
         self.llm = llm
+        self.timeout = timeout
 
-    def open(self, options: SessionOptions, payload: Any) -> None:
-        """Begin, stage ``payload`` (manifest, tensors, lent delta base) and prepare: nothing is written."""
-        self.llm.collective_rpc(_open_here, timeout=self.timeout, args=(options, *payload))
+    def _run(self, fn: Any, *args: Any) -> Answers:
+        return list(self.llm.collective_rpc(fn, timeout=self.timeout, args=args))
 
-    def commit(self, update_id: str) -> Answers:
-        return list(self.llm.collective_rpc(_commit_here, timeout=self.timeout, args=(update_id,)))
+    def begin(
+        self, options: SessionOptions, manifest: WeightUpdateManifest | None = None, lent: DeltaBase | None = None
+    ) -> None:
+        self._run(_begin_here, options, manifest, lent)
+
+    def stage(self, update_id: str, bucket_json: str, descriptor: Descriptor) -> None:
+        if descriptor.get("transport") != "reference":
+            raise EngineNotSupportedError(
+                f"an in-process engine stages tensors by reference, not through {descriptor.get('transport')!r}"
+            )
+        self._run(_stage_here, update_id, descriptor["items"])
+
+    def prepare(self, update_id: str) -> list[list[dict[str, str]]]:
+        return self._run(_prepare_here, update_id)
+
+    def commit(self, update_id: str) -> list[dict[str, Any]]:
+        return self._run(_commit_here, update_id)
 
     def abort(self, update_id: str) -> None:
         self.llm.collective_rpc(_abort_here, args=(update_id,))
 
+    def install(self, options: SessionOptions, manifest: WeightUpdateManifest, payload: Any) -> Answers:
+        raise EngineNotSupportedError("InProcessWire has no one-call install")
 
-def _open_here(
-    worker: Any, options: SessionOptions, manifest: WeightUpdateManifest | None, tensors: Any, base: DeltaBase | None
+    def engine_op(self, op: str, **args: Any) -> Answers:
+        raise EngineNotSupportedError(f"an in-process engine needs no worker operation ({op!r})")
+
+
+def _begin_here(
+    worker: Any, options: SessionOptions, manifest: WeightUpdateManifest | None, lent: DeltaBase | None
 ) -> None:
-    """In the worker: begin, stage by reference, prepare. A delta applies to ``base``, the trainer's own copy lent
-    to the worker (one process, one copy); one whose base the worker does not serve raises
-    :class:`~hotweights.DeltaBaseMismatchError` here, as it is."""
+    """In the worker: open the session. A delta applies to ``lent``, the trainer's own copy (one process, one
+    copy); one whose base the worker does not serve raises :class:`~hotweights.DeltaBaseMismatchError` here."""
     session = session_of(worker)
     if options.delta is not None:
-        session.base.copy = base
-    update_id = str(session.begin(options, manifest)["update_id"])
-    if manifest is not None:  # None: a delta that changes nothing, no wire to stage
-        session.stage_tensors(update_id, tensors)
-    problems = session.prepare(update_id)
-    if problems:
-        raise refusal(problems)
+        session.base.copy = lent
+    session.begin(options, manifest)
+
+
+def _stage_here(worker: Any, update_id: str, items: Any) -> None:
+    session_of(worker).stage_tensors(update_id, items)
+
+
+def _prepare_here(worker: Any, update_id: str) -> list[dict[str, str]]:
+    return session_of(worker).prepare(update_id)
 
 
 def _commit_here(worker: Any, update_id: str) -> dict[str, Any]:
@@ -194,7 +256,7 @@ def _abort_here(worker: Any, update_id: str) -> bool:
     return session_of(worker).abort(update_id)
 
 
-def _update_id(options: SessionOptions) -> str:
+def _update_id(options: SessionOptions, manifest: WeightUpdateManifest | None) -> str:
     if options.delta is not None:
         return str(json.loads(options.delta)["update_id"])
-    return str(json.loads(options.manifest)["update_id"])
+    return manifest.update_id if manifest is not None else str(json.loads(options.manifest)["update_id"])

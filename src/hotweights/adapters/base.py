@@ -111,6 +111,28 @@ class WeightInstallAdapter(ABC):
         """Name used in reports (adapters with a transport add its name)."""
         return self.name
 
+    # ------------------------------------------------------------------ what a fleet asks of a replica's adapter
+    @property
+    def stages_apart(self) -> bool:
+        """Whether an install stops, staged, before its first write (at :func:`hotweights.core.two_phase.commit_point`),
+        so a fleet can commit every replica or none."""
+        return False
+
+    @property
+    def bucket_size(self) -> int | None:
+        """Bytes per bucket this adapter sends (None: it does not cut the update into buckets)."""
+        return None
+
+    @property
+    def sends_bytes(self) -> bool:
+        """Whether an install copies the update's bytes to the engine (False: handed over by reference)."""
+        return True
+
+    @property
+    def shared_transport(self) -> Any:
+        """The transport whose buckets several engines may stage from one copy (None: none)."""
+        return None
+
     @property
     def active_weight_version(self) -> int | None:
         """Version now served; None while the engine serves the weights it started with. Held by the engine's

@@ -10,6 +10,8 @@ from hotweights.adapters._vllm import EngineOptions, InstallMethod, VLLMSessionA
 from hotweights.adapters._wires import InProcessWire
 from hotweights.core.errors import EngineNotSupportedError
 from hotweights.engine import compat
+from hotweights.handles import as_engine
+from hotweights.handles.llm import LLMHandle
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -60,16 +62,17 @@ class VLLMInProcessWeightReloadAdapter(VLLMSessionAdapter):
         verify: bool = False,
         **options: Unpack[EngineOptions],
     ) -> None:
-        if compat.engine_mode(engine) != "inprocess":
+        handle = as_engine(engine)
+        if not isinstance(handle, LLMHandle) or not handle.inprocess:
             raise EngineNotSupportedError(
                 "this vllm.LLM runs its engine in other processes; the in-process adapters hand tensors over by "
                 "reference and cannot reach them. Start the engine with VLLM_ENABLE_V1_MULTIPROCESSING=0, or use "
                 "hotweights.install(llm, ...) to pick an adapter that fits."
             )
         super().__init__(
-            engine,
-            wire=lambda handle, timeout: InProcessWire(handle, engine, timeout),
-            transport=None,
+            handle,
+            wire=lambda _, timeout: InProcessWire(handle.llm, timeout),
+            transport="reference",
             install_method=install_method or self.default_method,
             rpc_timeout=rpc_timeout,
             verify=verify,
@@ -79,6 +82,12 @@ class VLLMInProcessWeightReloadAdapter(VLLMSessionAdapter):
     @property
     def label(self) -> str:
         return f"{self.name}-{self.install_method}"
+
+    @property
+    def llm(self) -> Any:
+        """The ``vllm.LLM`` whose worker runs in this process."""
+        assert isinstance(self.engine, LLMHandle)
+        return self.engine.llm
 
     @property
     def model(self) -> torch.nn.Module:

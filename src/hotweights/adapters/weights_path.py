@@ -67,6 +67,10 @@ class VLLMWeightsPathAdapter(VLLMEngineAdapter):
         self.rpc_timeout = rpc_timeout
         sweep_stale(min_age=60.0)  # checkpoint directories of trainers that died mid-install
 
+    @property
+    def stages_apart(self) -> bool:
+        return True  # the checkpoint is written aside; the engine reloads it after the commit point
+
     def _install(self, manifest: WeightUpdateManifest, items: Items, timer: PhaseTimer) -> dict[str, int]:
         self._refuse_unmended()
         directory = Path(tempfile.mkdtemp(prefix=f"hotweights-{os.getpid()}-ckpt-", dir=SHM_DIR))
@@ -90,7 +94,7 @@ class VLLMWeightsPathAdapter(VLLMEngineAdapter):
         mend runs in the engine's processes only through hotweights' vLLM plugin: refuse where it cannot."""
         if self.engine.kind not in ("llm", "async_llm") or compat.vllm_fixes_reach_workers():
             return
-        needed = compat.vllm_fixes_needed(self.llm)
+        needed = compat.vllm_fixes_for(self.engine.model_config())
         if needed:
             why = "; ".join(compat.VLLM_FIXES[n] for n in needed)
             raise EngineNotSupportedError(

@@ -16,7 +16,7 @@ import torch
 
 from hotweights.core.manifest import ExpectedWeights, TensorSpec, WeightUpdateManifest, dtype_to_str
 
-__all__ = ["Cast", "CastItems", "cast_targets", "item_names", "lazy_mapping"]
+__all__ = ["Cast", "CastItems", "cast_targets", "item_names", "items_of", "lazy_mapping"]
 
 Cast = torch.dtype | Literal["engine"]
 """A dtype every floating-point tensor is cast to, or ``"engine"``: the dtype the engine expects for each."""
@@ -131,6 +131,11 @@ class _CastMapping(Mapping[str, torch.Tensor]):
 def lazy_mapping(items: Sequence[tuple[str, torch.Tensor]]) -> Mapping[str, torch.Tensor]:
     """``dict(items)``, except that :class:`CastItems` stay lazy (a read casts one tensor)."""
     return _CastMapping(items) if isinstance(items, CastItems) else dict(items)
+
+
+def items_of(tensors: Mapping[str, torch.Tensor]) -> Sequence[tuple[str, torch.Tensor]]:
+    """The (name, tensor) pairs behind ``tensors`` (a :func:`lazy_mapping`), still lazy where they cast."""
+    return tensors._items if isinstance(tensors, _CastMapping) else list(tensors.items())
 
 
 def item_names(items: Sequence[tuple[str, torch.Tensor]]) -> list[str]:

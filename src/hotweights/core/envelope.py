@@ -37,7 +37,7 @@ from typing import Any, TypeVar, cast
 from hotweights.core import errors as _errors
 from hotweights.core.errors import HotWeightsError, InstallError, Mismatch, MismatchKind
 
-__all__ = ["MARKER", "MAX_MISMATCHES", "attach", "decode", "encode", "enveloped", "to_text"]
+__all__ = ["MARKER", "MAX_MISMATCHES", "attach", "decode", "encode", "engine_refusal", "enveloped", "to_text"]
 
 #: Opens the text form of an envelope: ``[hotweights-error:<urlsafe base64 of the JSON>]``.
 MARKER = "hotweights-error:"
@@ -203,3 +203,11 @@ def _rebuild(envelope: dict[Any, Any]) -> HotWeightsError | None:
             if isinstance(r, dict) and r.get("kind") in _KINDS
         )
     return error
+
+
+def engine_refusal(error: BaseException | str) -> _errors.WeightManifestValidationError | None:
+    """The :class:`WeightManifestValidationError` an engine's worker raised, rebuilt from what came back (the
+    error vLLM's RPC or a remote server made of it, or its text); None when that carries no such error. A thin
+    wrapper of :func:`decode`, which rebuilds every error class."""
+    found = decode(error)
+    return found if isinstance(found, _errors.WeightManifestValidationError) else None

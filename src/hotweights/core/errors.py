@@ -43,7 +43,6 @@ __all__ = [
     "UnsupportedLayoutError",
     "WeightManifestValidationError",
     "WeightVersionUnknownError",
-    "engine_refusal",
 ]
 
 MismatchKind = Literal["missing", "unexpected", "shape", "dtype", "nbytes", "not_tensor", "manifest", "digest", "delta"]
@@ -102,16 +101,6 @@ class WeightManifestValidationError(HotWeightsError):
             lines.append(f"  ... and {len(self.mismatches) - 50} more (see .mismatches)")
         lines += [f"  fix ({k}): {_HINTS[k]}" for k in kinds]
         super().__init__("\n".join(lines))
-
-
-def engine_refusal(error: BaseException | str) -> WeightManifestValidationError | None:
-    """The :class:`WeightManifestValidationError` an engine's worker raised, rebuilt from what came back (the
-    error vLLM's RPC or a remote server made of it, or its text); None when that carries no such error. A thin
-    wrapper of :func:`hotweights.core.envelope.decode`, which rebuilds every error class."""
-    from hotweights.core.envelope import decode
-
-    found = decode(error)
-    return found if isinstance(found, WeightManifestValidationError) else None
 
 
 class UnsupportedLayoutError(HotWeightsError):

@@ -19,7 +19,7 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from contextvars import ContextVar
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from hotweights.core.errors import FleetAbortedError, HotWeightsError, HotWeightsTimeoutError
 
@@ -27,7 +27,22 @@ if TYPE_CHECKING:
     import torch
 
     from hotweights.core.buckets import Bucket
-    from hotweights.transports.base import Descriptor, WeightTransport
+
+#: What a transport hands the engine for one bucket (see :mod:`hotweights.transports.base`).
+Descriptor = dict[str, Any]
+
+
+class WeightTransport(Protocol):
+    """What a member needs of a transport (:class:`hotweights.transports.WeightTransport` has it): send a bucket,
+    calling ``stage`` once with its descriptor."""
+
+    @property
+    def name(self) -> str: ...
+
+    def send(
+        self, bucket: Bucket, tensors: Mapping[str, torch.Tensor], stage: Callable[[Descriptor], None]
+    ) -> None: ...
+
 
 __all__ = ["Coordinator", "FleetAbortedError", "Member", "commit_point", "current", "share"]
 

@@ -16,6 +16,7 @@ import torch
 
 from hotweights.core.errors import EngineNotSupportedError, HotWeightsTimeoutError
 from hotweights.core.gate import ServingGate
+from hotweights.engine.tied import refresh_tied_layers
 
 _log = logging.getLogger("hotweights")
 
@@ -24,7 +25,6 @@ __all__ = [
     "VLLM_FIXES",
     "WORKER_EXTENSION",
     "apply_vllm_fixes",
-    "clear_kv_cache_inprocess",
     "config_ties_embeddings",
     "cpu_prepack_moe_weight",
     "device_kind",
@@ -37,11 +37,11 @@ __all__ = [
     "has_unfinished_requests",
     "inprocess_model",
     "is_sleeping",
+    "mark_weight_update",
     "num_workers",
     "on_shutdown",
     "prompt_logprobs",
     "reload_model_inplace",
-    "reload_weights",
     "reset_prefix_cache",
     "rpc",
     "scheduler_paused",
@@ -61,6 +61,7 @@ __all__ = [
     "weights_asleep_inprocess",
     "worker_extension",
     "worker_lacks",
+    "worker_model",
 ]
 
 #: Tested vLLM release line.
@@ -336,18 +337,6 @@ def on_shutdown(llm: Any, callback: Callable[[], object]) -> bool:
     return True
 
 
-def reload_weights(llm: Any, items: Sequence[tuple[str, torch.Tensor]], timeout: float | None = None) -> None:
-    """One layerwise reload of checkpoint-format tensors in an in-process engine.
-
-    The worker function is passed by reference (in-process ``collective_rpc`` calls it directly; nothing is
-    serialised). In a multiprocess engine tensors would arrive as lists and callables need pickle: use the
-    worker extension instead.
-    """
-    from hotweights.engine.worker_ops import reload_checkpoint_tensors
-
-    llm.collective_rpc(reload_checkpoint_tensors, timeout=timeout, args=(items,))
-
-
 def reload_model_inplace(vllm_config: Any, model: torch.nn.Module, items: Any) -> None:
     """vLLM's layerwise reload of checkpoint-format ``items`` into ``model`` (a caller that holds the model, not the
     worker): ``model_loader.reload.inplace.reload_weights`` since vLLM 0.32; 0.31 has no such function and its
@@ -366,17 +355,33 @@ def reload_model_inplace(vllm_config: Any, model: torch.nn.Module, items: Any) -
     reload_weights(vllm_config, model, weights_iterator=items, weights_path=None, is_checkpoint_format=True)
 
 
-def clear_kv_cache_inprocess(llm: Any) -> int:
-    """Zero the KV cache of an in-process engine (see :func:`hotweights.engine.worker_ops.clear_kv_cache`)."""
-    from hotweights.engine.worker_ops import clear_kv_cache
+def mark_weight_update(active: bool) -> bool:
+    """Tell vLLM whether a checkpoint-format weight update is running, as its own ``start_reload`` and
+    ``finish_reload`` do (``model_loader.reload.lifecycle``, vLLM 0.34+; models whose ``load_weights`` accepts part of
+    the checkpoint per call read it): hotweights' streaming install opens vLLM's layerwise reload itself, whatever
+    ``VLLM_RELOAD_MODE`` says, because it feeds it bucket by bucket. False where this vLLM keeps no such flag."""
+    import importlib
 
-    return sum(llm.collective_rpc(clear_kv_cache))
+    try:
+        lifecycle = importlib.import_module("vllm.model_executor.model_loader.reload.lifecycle")
+    except ImportError:  # vLLM 0.31 to 0.33
+        return False
+    if not hasattr(lifecycle, "_weight_update_active"):
+        return False
+    setattr(lifecycle, "_weight_update_active", active)  # noqa: B010 - a private global of vLLM's
+    return True
+
+
+def worker_model(worker: Any) -> torch.nn.Module:
+    """The model a worker (or its wrapper) serves."""
+    worker = getattr(worker, "worker", worker)
+    model = worker.model_runner.get_model()
+    assert isinstance(model, torch.nn.Module)
+    return model
 
 
 def inprocess_model(llm: Any) -> torch.nn.Module:
     """The model object of an in-process engine (single worker)."""
-    from hotweights.engine.worker_ops import worker_model
-
     executor = _llm_engine(llm).model_executor
     return worker_model(executor.driver_worker)
 
@@ -723,8 +728,6 @@ def _fix_reload_tied_heads() -> bool:
         def wrap(original: Any) -> Any:
             @functools.wraps(original)
             def reload_weights(self: Any, *args: Any, **kwargs: Any) -> None:
-                from hotweights.engine.worker_ops import refresh_tied_layers
-
                 original(self, *args, **kwargs)
                 refresh_tied_layers(self.get_model())
 

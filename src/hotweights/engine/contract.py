@@ -145,7 +145,7 @@ CONTRACT: tuple[Entry, ...] = (
         _LLM,
         "LLM.collective_rpc",
         "method",
-        "compat.rpc, compat.reload_weights",
+        "compat.rpc",
         "every worker call",
         args=("method",),
         kwargs=("timeout", "args", "kwargs"),
@@ -198,7 +198,7 @@ CONTRACT: tuple[Entry, ...] = (
         "exactly whether the weights sleep",
     ),
     _e(_UNIPROC, "UniProcExecutor.driver_worker", "attribute", "compat.inprocess_model", "the in-process worker"),
-    _e(_WORKER_BASE, "WorkerWrapperBase.worker", "attribute", "worker_ops.worker_model", "the wrapped worker"),
+    _e(_WORKER_BASE, "WorkerWrapperBase.worker", "attribute", "compat.worker_model", "the wrapped worker"),
     _e(_ASYNC, "AsyncLLM", "class", "compat.engine_kind", "the async engine a caller passes"),
     *(
         _e(_ASYNC, f"AsyncLLM.{a}", "attribute", "compat.engine_kind, compat._llm_engine", "recognised and read")
@@ -314,7 +314,7 @@ CONTRACT: tuple[Entry, ...] = (
                 kwargs=("weights_iterator", "weights_path", "is_checkpoint_format"),
                 vllm=versions,
             ),
-            _e(module, f"{cls}.get_model", "method", "worker_ops.worker_model", "the served model", vllm=versions),
+            _e(module, f"{cls}.get_model", "method", "compat.worker_model", "the served model", vllm=versions),
             _e(
                 module,
                 f"{cls}.kv_caches",
@@ -345,7 +345,7 @@ CONTRACT: tuple[Entry, ...] = (
         )
     ),
     # --- worker_ops.py
-    _e(_WORKER, "Worker.model_runner", "attribute", "worker_ops.worker_model", "the model runner"),
+    _e(_WORKER, "Worker.model_runner", "attribute", "compat.worker_model", "the model runner"),
     _e(
         _WORKER,
         "Worker.reload_weights",
@@ -381,6 +381,14 @@ CONTRACT: tuple[Entry, ...] = (
         "closes a streaming reload",
         args=("model", "model_config"),
         forwarded=True,
+    ),
+    _e(
+        "vllm.model_executor.model_loader.reload.lifecycle",
+        "_weight_update_active",
+        "variable",
+        "compat.mark_weight_update",
+        "set while a streaming install feeds vLLM's layerwise reload, as start_reload/finish_reload do",
+        vllm=">=0.34",
     ),
     _e(_LAYERWISE, "LAYERWISE_INFO", "variable", "worker_ops.close_layerwise_reload", "each layer's buffered parts"),
     _e(_LAYERWISE, "logger", "variable", "worker_ops.close_layerwise_reload", "quietened for discarded layers"),

@@ -16,6 +16,9 @@ from typing import Any
 
 import torch
 
+from hotweights.engine.compat import apply_vllm_fixes, mark_weight_update, reload_model_inplace, worker_model
+from hotweights.engine.tied import refresh_tied_layers, tied_borrowers
+
 __all__ = [
     "after_weights_changed",
     "clear_kv_cache",
@@ -28,66 +31,25 @@ __all__ = [
 ]
 
 
-def worker_model(worker: Any) -> torch.nn.Module:
-    """The model a worker (or its wrapper) serves."""
-    worker = getattr(worker, "worker", worker)
-    model = worker.model_runner.get_model()
-    assert isinstance(model, torch.nn.Module)
-    return model
-
-
 def reload_checkpoint_tensors(worker: Any, items: Iterable[tuple[str, torch.Tensor]]) -> int:
     """One layerwise reload of checkpoint-format tensors, with vLLM's reload mended
     (:func:`~hotweights.engine.compat.apply_vllm_fixes`: MoE experts re-packed, tied heads refreshed).
 
     Returns the number of tied layers refreshed.
     """
-    from hotweights.engine.compat import apply_vllm_fixes
-
     fixes = apply_vllm_fixes()
     worker = getattr(worker, "worker", worker)
     worker.reload_weights(weights_iterator=items, is_checkpoint_format=True)
     if "tied-lm-head" in fixes:  # refreshed inside reload_weights
-        return sum(1 for _ in _tied_borrowers(worker_model(worker)))
+        return sum(1 for _ in tied_borrowers(worker_model(worker)))
     return refresh_tied_layers(worker_model(worker))
 
 
 def reload_model(vllm_config: Any, model: torch.nn.Module, items: Iterable[tuple[str, torch.Tensor]]) -> int:
     """The same install for callers that hold the model, not the worker (vLLM's weight-transfer backends)."""
-    from hotweights.engine.compat import apply_vllm_fixes, reload_model_inplace
-
     apply_vllm_fixes()
     reload_model_inplace(vllm_config, model, items)
     return refresh_tied_layers(model)
-
-
-@torch.no_grad()
-def refresh_tied_layers(model: torch.nn.Module) -> int:
-    """Re-run post-load processing of layers whose weight is tied to another layer's.
-
-    vLLM's layerwise reload rebuilds the layer that owns a tied weight (e.g. ``embed_tokens``) but not the layer
-    that borrows it (``lm_head``): on CPU the borrower keeps a packed copy of the *old* weight and keeps computing
-    logits from it (measured: a tied Llama served its previous model's tokens). Re-processing the borrower rebuilds
-    its derived state from the shared, already-updated weight. Returns how many layers were refreshed.
-    """
-    refreshed = 0
-    for module in _tied_borrowers(model):
-        module.quant_method.process_weights_after_loading(module)
-        refreshed += 1
-    return refreshed
-
-
-def _tied_borrowers(model: torch.nn.Module) -> Iterator[Any]:
-    """Layers whose weight is another (earlier) layer's and that derive state from it in their quant method."""
-    owners: dict[int, torch.nn.Module] = {}
-    for module in model.modules():
-        weight = module._parameters.get("weight")
-        if weight is None:
-            continue
-        owner = owners.setdefault(id(weight), module)
-        method = getattr(module, "quant_method", None)
-        if owner is not module and method is not None and hasattr(method, "process_weights_after_loading"):
-            yield module
 
 
 @torch.no_grad()
@@ -118,11 +80,10 @@ def open_layerwise_reload(model: torch.nn.Module) -> None:
     its parts arrived, then processes it). The model cannot serve until :func:`close_layerwise_reload`."""
     from vllm.model_executor.model_loader.reload.layerwise import initialize_layerwise_reload
 
-    from hotweights.engine.compat import apply_vllm_fixes
-
     apply_vllm_fixes()  # MoE experts re-packed as their layers complete
 
     initialize_layerwise_reload(model)
+    mark_weight_update(True)
 
 
 @torch.no_grad()
@@ -140,6 +101,7 @@ def close_layerwise_reload(worker: Any, model: torch.nn.Module, *, discard_incom
                 info.loaded_weights.clear()
                 info.load_numel = 0
         quiet = _quiet(layerwise.logger)  # "Failed to load weights" for every layer left as it was
+    mark_weight_update(False)  # as vLLM's finish_reload: cleared before the layers are finalised
     with quiet:
         layerwise.finalize_layerwise_reload(model, _model_config(worker))  # type: ignore[no-untyped-call]
     after_weights_changed(worker)

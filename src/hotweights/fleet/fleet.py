@@ -25,9 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from hotweights._family import check_family
 from hotweights._install import InstallOptions, adapter_for, update_for
-from hotweights.adapters._vllm import VLLMSessionAdapter
 from hotweights.adapters.base import WeightInstallAdapter
-from hotweights.adapters.weights_path import VLLMWeightsPathAdapter
 from hotweights.core import two_phase
 from hotweights.core.buckets import default_bucket_bytes
 from hotweights.core.errors import (
@@ -87,7 +85,7 @@ class Fleet:
         from their commit."""
         chosen = [adapter_for(e) for e in self.engines]
         for i, a in enumerate(chosen):
-            if (isinstance(a, VLLMSessionAdapter) and a.commit == "atomic") or isinstance(a, VLLMWeightsPathAdapter):
+            if a.stages_apart:
                 continue
             raise EngineNotSupportedError(
                 f"replica {i} ({self.engines[i].describe()}) installs through {a.label}, which cannot stage an "
@@ -163,8 +161,7 @@ class Fleet:
         delta = bool(options.get("delta", False))
         if not delta:  # a delta differs per replica's base: each is sent its own
             _group(coordinator, adapters)
-        bucketed = [a for a in adapters if isinstance(a, VLLMSessionAdapter) and a.transport is not None]
-        bucket_bytes = min((a.bucket_size for a in bucketed), default=default_bucket_bytes(32 << 20))
+        bucket_bytes = min((a.bucket_size for a in adapters if a.bucket_size), default=default_bucket_bytes(32 << 20))
         kwargs = {k: options[k] for k in ("force", "delta", "verify", "cast") if k in options}
         families = [check_family(e, items, options.get("unproven")) for e in self.engines]  # before any staging
         run = _Run(self, adapters, coordinator, manifest.weight_version, manifest.tensors)
@@ -195,13 +192,11 @@ def _group(coordinator: two_phase.Coordinator, adapters: list[WeightInstallAdapt
     first one's transport."""
     groups: dict[str, list[int]] = {}
     for i, a in enumerate(adapters):
-        if isinstance(a, VLLMSessionAdapter) and a.transport is not None and a.transport.shareable:
-            groups.setdefault(a.transport.share_key, []).append(i)
+        if a.shared_transport is not None:
+            groups.setdefault(a.shared_transport.share_key, []).append(i)
     for members in groups.values():
         if len(members) > 1:
-            writer = adapters[members[0]]
-            assert isinstance(writer, VLLMSessionAdapter) and writer.transport is not None
-            coordinator.add_group(writer.transport, members)
+            coordinator.add_group(adapters[members[0]].shared_transport, members)
 
 
 class _Run:
@@ -293,8 +288,7 @@ class _Run:
             outcome = self.outcomes.get(i)
             if isinstance(outcome, InstallReport):
                 reports.append(outcome)
-                by_reference = isinstance(a, VLLMSessionAdapter) and a.transport is None  # in-process: nothing sent
-                if self.coordinator.group_of(i) is None and not by_reference:
+                if self.coordinator.group_of(i) is None and a.sends_bytes:
                     sent += outcome.bytes_sent
             else:
                 reports.append(None)

@@ -9,6 +9,7 @@ from hotweights.core.gate import ServingGate
 from hotweights.core.manifest import ExpectedWeights
 from hotweights.engine import compat
 from hotweights.engine.expected import expected_weights
+from hotweights.engine.worker_ops import clear_kv_cache
 from hotweights.handles.base import EngineHandle
 from hotweights.handles.sleep import SleepTracker
 
@@ -81,7 +82,7 @@ class LLMHandle(EngineHandle):
 
     def clear_kv_cache(self) -> int | None:
         if self.inprocess:
-            return compat.clear_kv_cache_inprocess(self.llm)
+            return int(sum(self.llm.collective_rpc(clear_kv_cache)))
         return super().clear_kv_cache()
 
     def on_shutdown(self, callback: Callable[[], object]) -> None:

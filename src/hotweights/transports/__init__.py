@@ -1,4 +1,4 @@
-"""Pickle-free transports for multiprocess engines, behind one small contract (:class:`WeightTransport`).
+"""Pickle-free transports, behind one small contract (:class:`WeightTransport`).
 
 Built-ins, each a sibling module with a trainer-side ``WeightTransport`` and an engine-side ``open_bucket``:
 
@@ -6,7 +6,8 @@ Built-ins, each a sibling module with a trainer-side ``WeightTransport`` and an 
 - ``bytes``: raw bucket bytes inside the RPC message (works wherever vLLM's RPC reaches; the fallback);
 - ``collective``: a ``torch.distributed`` broadcast from the trainer to the workers (gloo on CPU, NCCL on GPU);
 - ``cuda_ipc``: buckets packed on the trainer's GPU, opened by workers on the same GPU through CUDA IPC handles;
-- ``ray``: each bucket put into Ray's object store once, fetched by every engine actor (engines in Ray actors).
+- ``ray``: each bucket put into Ray's object store once, fetched by every engine actor (engines in Ray actors);
+- ``reference``: the tensors themselves, to a worker in this process (an in-process engine: nothing is copied).
 
 Modules are imported on first use. ``register_transport`` adds one; a name registered twice or unknown raises.
 """
@@ -73,3 +74,4 @@ register_transport("bytes", "hotweights.transports.bytes")
 register_transport("collective", "hotweights.transports.collective")
 register_transport("cuda_ipc", "hotweights.transports.cuda_ipc")
 register_transport("ray", "hotweights.transports.ray")
+register_transport("reference", "hotweights.transports.reference")

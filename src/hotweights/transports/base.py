@@ -49,6 +49,9 @@ class WeightTransport(ABC):
     #: Whether one packed bucket can be staged by several engines (a fleet writes it once for all of them): True
     #: for transports that keep nothing per engine between installs.
     shareable: bool = False
+    #: Whether the tensors themselves are handed over, not their bytes (an engine in this process: nothing is
+    #: packed or copied, the whole update is one bucket, and a delta's base is lent rather than kept twice).
+    by_reference: ClassVar[bool] = False
 
     @property
     def share_key(self) -> str:
