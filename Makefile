@@ -87,18 +87,18 @@ bench: $(STAMP)
 docs: $(STAMP)
 	$(PY) -m mkdocs build --strict -d site
 
-## the vLLM contract (every vLLM internal hotweights relies on, engine/contract.py) against the wheels of every
+## the vLLM contract (every vLLM internal hotweights relies on, tools/vllm_contract.py) against the wheels of every
 ## supported vLLM (downloaded without dependencies into .cache/vllm-wheels, kept): a symbol that moved fails, naming
 ## the symbol and the version (~1 min; CI runs it)
 CONTRACT_VERSIONS ?= 0.31.0 0.32.0 0.33.0 0.34.0
 contract: $(STAMP)
 	mkdir -p .cache/vllm-wheels
 	set -e; for v in $(CONTRACT_VERSIONS); do \
-		$(PY) -m hotweights.engine.contract --version $$v --dest .cache/vllm-wheels --broken-only; done
+		$(PY) -m tools.vllm_contract --version $$v --dest .cache/vllm-wheels --broken-only; done
 
 lint: $(STAMP)
-	$(PY) -m ruff check src tests benchmarks examples
-	$(PY) -m ruff format --check src tests benchmarks examples
+	$(PY) -m ruff check src tests benchmarks examples tools
+	$(PY) -m ruff format --check src tests benchmarks examples tools
 	$(PY) -m mypy
 
 clean:

@@ -1,4 +1,4 @@
-"""The vLLM contract (hotweights.engine.contract): the installed vLLM meets it, and the checker fails where a symbol
+"""The vLLM contract (tools/vllm_contract.py): the installed vLLM meets it, and the checker fails where a symbol
 or a parameter is gone (proven on a small synthetic source tree). No network: downloads are faked."""
 
 from __future__ import annotations
@@ -13,8 +13,9 @@ from typing import Any
 
 import pytest
 
-from hotweights.engine import compat, contract
-from hotweights.engine.contract import CONTRACT, Entry, Result, check, main
+from hotweights.engine import compat
+from tools import vllm_contract as contract
+from tools.vllm_contract import CONTRACT, Entry, Result, check, main
 
 _SOURCES = {
     "vllm/__init__.py": "",

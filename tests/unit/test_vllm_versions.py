@@ -101,7 +101,7 @@ def test_a_needed_mend_that_is_not_in_place_refuses_before_writing() -> None:
 def test_contract_entries_hold_for_the_versions_they_name() -> None:
     """The contract checks each vLLM wheel against the entries for its version: the V1 runner up to 0.33, Model
     Runner V2 from 0.32, the CPU packing in _custom_ops then _cpu_ops (make contract runs 0.31 to 0.34)."""
-    from hotweights.engine.contract import CONTRACT
+    from tools.vllm_contract import CONTRACT
 
     def homes(name: str, version: str) -> set[str]:
         return {e.module for e in CONTRACT if e.name == name and e.applies_to(version)}

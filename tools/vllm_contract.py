@@ -7,11 +7,11 @@ and the engine handles reach, with the parameters hotweights passes and the hotw
 :func:`check` parses the source with :mod:`ast` only: vLLM is never imported, so a wheel built for any platform
 (downloaded with ``pip download --no-deps``) can be checked on any machine. Standard library only.
 
-Run it::
+Run it from the repository root (a tool of the repository, not part of the installed package)::
 
-    python -m hotweights.engine.contract                   # the installed vLLM
-    python -m hotweights.engine.contract --version 0.33.0  # pip download vllm==0.33.0 --no-deps, then check
-    python -m hotweights.engine.contract --wheel vllm-0.33.0-cp38-abi3-manylinux_2_28_x86_64.whl --json
+    python -m tools.vllm_contract                   # the installed vLLM
+    python -m tools.vllm_contract --version 0.33.0  # pip download vllm==0.33.0 --no-deps, then check
+    python -m tools.vllm_contract --wheel vllm-0.33.0-cp38-abi3-manylinux_2_28_x86_64.whl --json
 
 Exit status: 0 when every entry holds (optional ones may be absent), 1 when one is missing or changed, 2 when the
 source cannot be read or downloaded.
@@ -1050,7 +1050,7 @@ def _summary(results: Sequence[Result]) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """The command line (see the module docstring); returns the exit status."""
-    parser = argparse.ArgumentParser(prog="python -m hotweights.engine.contract", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m tools.vllm_contract", description=__doc__.splitlines()[0])
     where = parser.add_mutually_exclusive_group()
     where.add_argument("--wheel", type=Path, help="a vLLM wheel (.whl)")
     where.add_argument("--source", type=Path, help="a directory holding vllm/ (or vllm/ itself)")

@@ -1,0 +1,1 @@
+"""Developer tools of the hotweights repository (not shipped in the package)."""
