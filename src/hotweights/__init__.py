@@ -1,8 +1,9 @@
 """hotweights: install fresh weights into a running vLLM engine — validated, versioned, fast.
 
-The top level holds the verbs (``install``, ``install_async``, ``connect``, ``adapter_for``, ``weight_version_of``,
-``weight_versions_of``), ``Fleet`` (one install into many replicas: :mod:`hotweights.fleet`), the types a caller
-handles (manifests, specs, layouts, reports, ``WORKER_EXTENSION``) and every error. The rest lives in its
+The top level holds the verbs (``install``, ``install_async``, ``connect``, ``adapter_for``, ``detach``,
+``weight_version_of``, ``weight_versions_of``), ``Fleet`` (one install into many replicas:
+:mod:`hotweights.fleet`), the types a caller handles (manifests, specs, layouts, reports, ``WORKER_EXTENSION``) and
+every error. The rest lives in its
 submodule: adapter classes in :mod:`hotweights.adapters`, engine handles in :mod:`hotweights.handles`, transports
 in :mod:`hotweights.transports`, ``WeightVersions`` in :mod:`hotweights.versions`. The former top-level spellings
 of those (``hotweights.VLLMMultiprocessAdapter``, ...) still resolve, to the same objects.
@@ -15,7 +16,7 @@ Example:
 from typing import Any as _Any
 
 from hotweights import adapters as _adapters
-from hotweights._install import adapter_for, install, install_async
+from hotweights._install import adapter_for, detach, install, install_async
 from hotweights.core.errors import (
     DeltaBaseMismatchError,
     EngineDiedError,
@@ -72,6 +73,7 @@ __all__ = [
     "WeightVersionUnknownError",
     "adapter_for",
     "connect",
+    "detach",
     "install",
     "install_async",
     "weight_version_of",

@@ -13,6 +13,7 @@ from hotweights.adapters.inprocess import VLLMInProcessWeightReloadAdapter
 from hotweights.adapters.multiprocess import VLLMMultiprocessAdapter
 from hotweights.adapters.native import VLLMWeightTransferAdapter
 from hotweights.adapters.weights_path import VLLMWeightsPathAdapter
+from hotweights.core import attach
 from hotweights.core.cast import Cast
 from hotweights.core.errors import EngineNotSupportedError
 from hotweights.core.families import Unproven
@@ -28,7 +29,7 @@ if TYPE_CHECKING:
     import torch
     from typing_extensions import Unpack
 
-__all__ = ["InstallOptions", "adapter_for", "install", "install_async"]
+__all__ = ["InstallOptions", "adapter_for", "detach", "install", "install_async"]
 
 # The adapter lives on the engine handle (itself kept on the engine object): a registry keyed by the engine would
 # keep every engine alive. When the user drops the engine, all three go together.
@@ -79,6 +80,24 @@ def adapter_for(engine: Any) -> WeightInstallAdapter:
                 )
             setattr(handle, _ATTR, adapter)
         return adapter
+
+
+def detach(engine: Any) -> int:
+    """Put back everything hotweights changed on ``engine`` (a ``vllm.LLM`` or an ``AsyncLLM``): its generation
+    methods, its core client's calls and its sleep calls are vLLM's own again, and what hotweights kept there (the
+    engine's handle, adapter, version, delta base, transports) is released. Returns the number of patches undone
+    (0: hotweights never touched it).
+
+    Call it when no install runs on the engine, e.g. to hand the engine back to code that must see vLLM unchanged.
+    The next hotweights call on the engine attaches again, with a fresh handle (the version is read back from the
+    engine).
+    """
+    handle = attach.get(engine, "handle")
+    adapter = getattr(handle, _ATTR, None) if handle is not None else None
+    if adapter is not None:
+        adapter.close()
+    compat.release(attach.get(engine, "on_shutdown") or [])
+    return attach.detach(engine)
 
 
 class InstallOptions(TypedDict, total=False):

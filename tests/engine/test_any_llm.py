@@ -126,6 +126,33 @@ def test_sleeping_engine_is_never_written(plain: tuple[Any, TinyCheckpoint, Tiny
     assert greedy_vllm(llm) == a.hf
 
 
+def test_detach_gives_the_engine_back_to_vllm_and_the_next_install_attaches_again(
+    plain: tuple[Any, TinyCheckpoint, TinyCheckpoint],
+) -> None:
+    """Every patch hotweights made to the LLM, its engine and its core client is undone by one call, which leaves
+    one attribute at most; the engine keeps serving what was installed, and hotweights attaches again on its next
+    install."""
+    llm, a, b = plain
+    engine, client = llm.llm_engine, llm.llm_engine.engine_core
+    before = hotweights.adapter_for(llm).active_weight_version or 0
+    hotweights.install(llm, b.state_dict(), weight_version=before + 1)
+    patched = {"generate", "sleep", "wake_up", "_run_engine"}
+    assert patched <= set(vars(llm)) and {"add_request", "step"} <= set(vars(engine))
+    assert {"_send_input", "call_utility"} <= set(vars(client))
+    assert [k for k in vars(llm) if "hotweights" in k] == ["_hotweights"]  # one attribute, the handle inside it
+    undone = hotweights.detach(llm)
+    assert undone >= 12
+    assert not patched & set(vars(llm)) and not {"add_request", "step"} & set(vars(engine))
+    assert llm.generate.__func__ is type(llm).generate  # vLLM's own again
+    assert not {"_send_input", "call_utility", "shutdown", "get_output"} & set(vars(client))
+    assert not [k for k in vars(llm) if "hotweights" in k] and hotweights.detach(llm) == 0
+    assert greedy_vllm(llm) == b.fresh  # still serving what was installed
+    hotweights.install(llm, a.state_dict(), weight_version=before + 2)  # a fresh handle reads the version back
+    assert hotweights.adapter_for(llm).active_weight_version == before + 2
+    assert greedy_vllm(llm) == a.fresh
+    assert our_shm() == []
+
+
 def test_inprocess_sleep_is_read_from_the_executor(checkpoint: Callable[[Variant, int], TinyCheckpoint]) -> None:
     """In-process (TRL's colocate mode), the weights' own sleeping tag decides, whenever the engine slept."""
     a, b = checkpoint(VARIANT, 1), checkpoint(VARIANT, 2)

@@ -107,6 +107,7 @@ def test_a_to_b_to_a_without_the_extension(plain: Async) -> None:
         assert plain.engine_version() == before and plain.greedy() == plain.a.hf
     report = plain.install(plain.b)
     assert report.adapter == "weights-path"
+    assert report.stall_s is not None and report.phases["install"] <= report.stall_s  # paused for the reload at least
     assert (report.family_check or "").startswith("unproven" if plain.options else "proven"), report.family_check
     assert plain.engine_version() == str(report.weight_version)
     assert plain.greedy() == plain.b.hf

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from hotweights import HotWeightsError, HotWeightsTimeoutError, InstallError, WeightUpdateManifest
+from hotweights.core import attach
 from hotweights.core.buckets import plan_buckets, unpack
 from hotweights.engine.session import SessionOptions
 from hotweights.engine.worker_extension import HotWeightsWorkerExtension
@@ -64,7 +65,7 @@ def test_broadcast_round_trip_and_reconnect() -> None:
         transport.close()
     assert engine.calls.count("join_group") == 2
     assert engine.calls[-1] == "leave_group"  # close() drops the workers' end
-    assert getattr(engine.worker, "_hotweights_group", None) is None
+    assert attach.get(engine.worker, "group") is None
 
 
 def test_rendezvous_times_out_naming_what_it_waited_for() -> None:
@@ -245,7 +246,7 @@ def test_worker_refuses_bad_arguments(change: dict[str, Any], match: str) -> Non
     worker = FakeWorker()  # and through the extension, as the trainer reaches it
     with pytest.raises(ValueError, match=match):
         worker.hotweights_engine("join_group", json.dumps({**args, **change}))
-    assert getattr(worker, "_hotweights_group", None) is None
+    assert attach.get(worker, "group") is None
 
 
 def _join_through_the_extension(worker: Any, host: str, port: int, world: int, backend: str, timeout: float) -> int:
@@ -276,14 +277,14 @@ def test_worker_leaves_the_group_through_the_extension(monkeypatch: pytest.Monke
     worker = FakeWorker()
     assert worker.hotweights_engine("leave_group") is False  # no group yet
     _join_through_the_extension(worker, "127.0.0.1", 1, 2, "gloo", 5.0)
-    assert getattr(worker, "_hotweights_group", None) is not None
+    assert attach.get(worker, "group") is not None
     assert worker.hotweights_engine("leave_group", "{}") is True
-    assert getattr(worker, "_hotweights_group", None) is None
+    assert attach.get(worker, "group") is None
 
 
 @pytest.mark.parametrize("nbytes", [-1, "4", True, 2.0, None])
 def test_open_bucket_refuses_a_bad_byte_count(nbytes: Any) -> None:
     worker = FakeWorker()
-    worker._hotweights_group = (object(), "gloo")  # type: ignore[attr-defined]
+    attach.put(worker, "group", (object(), "gloo"))
     with pytest.raises(ValueError, match="non-negative integer 'nbytes'"):
         coll.open_bucket({"transport": "collective", "nbytes": nbytes}, worker)

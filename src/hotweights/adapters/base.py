@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from contextlib import ExitStack
@@ -105,6 +106,7 @@ class WeightInstallAdapter(ABC):
         self._path: tuple[str, str] | None = None  # set by _ran() during an install, read into its report
         self._verify_now = False  # install(verify=...) of the install in progress
         self._verify_strict = False  # ... and whether it was verify="strict"
+        self._held_since: float | None = None  # when the install in progress held the gate (its stall began)
 
     @property
     def label(self) -> str:
@@ -226,8 +228,12 @@ class WeightInstallAdapter(ABC):
         encoded = self._encode_delta(manifest, send, timer) if delta and self._delta.base is not None else None
         self._delta.tracking = self._delta.tracking or delta  # from the first delta install on, keep a copy
         self._may_have_written = False
+        self._held_since = None
         with ExitStack() as self._writing:  # holds the gate from the first write until the cache is reset
-            return self._commit(manifest, send, skipped, timer, encoded, delta, family, probe)
+            report = self._commit(manifest, send, skipped, timer, encoded, delta, family, probe)
+        if self._held_since is None:
+            return report
+        return report.model_copy(update={"stall_s": time.perf_counter() - self._held_since})  # the gate is open
 
     def _cast(self, manifest: WeightUpdateManifest, items: Items, cast: Cast) -> tuple[WeightUpdateManifest, CastItems]:
         """Check ``items`` against the caller's ``manifest``, then both as the engine will receive them (cast
@@ -263,6 +269,7 @@ class WeightInstallAdapter(ABC):
         if self.gate is not None and not self._may_have_written:
             with timer("wait_generation"):
                 self._writing.enter_context(self.gate.installing(self.lock_timeout))
+            self._held_since = time.perf_counter()
         self._may_have_written = True
 
     def _untouched(self) -> None:

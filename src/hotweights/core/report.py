@@ -69,6 +69,12 @@ class InstallReport(BaseModel):
     cast_tensors: int = 0
     """``install(..., cast=...)`` only: tensors cast to the engine's dtype on the way in (``num_bytes`` counts them
     after the cast)."""
+    stall_s: float | None = None
+    """Seconds this install held generation off: from the moment it held the engine's gate (running generation calls
+    finished, or an ``AsyncLLM``'s scheduler paused) until generation was let back in (the write, the prefix-cache
+    reset, the version record and, for an ``AsyncLLM``, the resume). Staging (``begin``, ``transfer``, ``prepare``)
+    runs before it, while the engine serves the old weights; a streaming commit holds the gate from its first bucket,
+    so its transfer counts. None where the install holds no gate (an adapter built with ``guard_generation=False``)."""
     family_check: str | None = None
     """How the model's family was guarded: ``"proven: ..."`` (the conformance matrix ran it on this vLLM and
     device), ``"unproven: ..., probed at vN: max |dlogprob| x <= tol"`` (the engine scored a probe against the sent
@@ -134,6 +140,8 @@ class InstallReport(BaseModel):
         }
         if self.cast_tensors:
             flat["cast_tensors"] = self.cast_tensors
+        if self.stall_s is not None:
+            flat["stall_s"] = self.stall_s
         if self.delta != "off":  # delta installs add what was sent (a full install sends num_bytes)
             flat.update({"bytes_sent": self.bytes_sent, "delta": self.delta, "delta_changed": self.delta_changed})
         flat.update({f"phase/{name}_s": s for name, s in self.phases.items()})

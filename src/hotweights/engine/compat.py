@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from hotweights.core import attach
 from hotweights.core.errors import EngineNotSupportedError, HotWeightsTimeoutError
 from hotweights.core.gate import ServingGate
 from hotweights.engine.tied import refresh_tied_layers
@@ -41,6 +42,7 @@ __all__ = [
     "num_workers",
     "on_shutdown",
     "prompt_logprobs",
+    "release",
     "reload_model_inplace",
     "reset_prefix_cache",
     "rpc",
@@ -159,17 +161,11 @@ def serialize_core_sends(llm: Any) -> bool:
     share one zmq socket, and two threads sending on it at once abort the process (``Assertion failed:
     !_current_out (src/router.cpp:166)``). True when the client's sends are now serialised."""
     client = _llm_engine(llm).engine_core
-    send = getattr(client, "_send_input", None)
-    if not callable(send) or type(client).__name__ == "InprocClient":
+    if not callable(getattr(client, "_send_input", None)) or type(client).__name__ == "InprocClient":
         return False
-    if getattr(send, "__hotweights_lock__", None) is not None:
-        return True
-    with _GATE_LOCK:
-        send = client._send_input
-        if getattr(send, "__hotweights_lock__", None) is not None:
-            return True
-        lock = threading.Lock()
+    lock = threading.Lock()
 
+    def wrap(send: Any) -> Any:
         @functools.wraps(send)
         def locked(*args: Any, **kwargs: Any) -> Any:
             with lock:
@@ -184,9 +180,9 @@ def serialize_core_sends(llm: Any) -> bool:
                         raise EngineDeadError() from exc
                     raise
 
-        locked.__hotweights_lock__ = lock  # type: ignore[attr-defined]
-        client._send_input = locked
-    return True
+        return locked
+
+    return attach.patch(llm, client, "_send_input", wrap)
 
 
 def watch_core_calls(llm: Any) -> bool:
@@ -200,18 +196,18 @@ def watch_core_calls(llm: Any) -> bool:
     call = getattr(client, "call_utility", None)
     if not callable(call) or type(client).__name__ == "InprocClient" or getattr(client, "resources", None) is None:
         return False
-    with _GATE_LOCK:
-        call = client.call_utility
-        if getattr(call, "__hotweights_watched__", False):
-            return True
 
+    def wrap(call: Any) -> Any:
         @functools.wraps(call)
         def watched(method: str, *args: Any) -> Any:
             return watched_call(lambda: call(method, *args), llm, None, repr(method))
 
-        watched.__hotweights_watched__ = True  # type: ignore[attr-defined]
-        client.call_utility = watched
-        _end_outputs_on_death(llm, client)
+        return watched
+
+    with _GATE_LOCK:
+        if not attach.patched(llm, client, "call_utility"):
+            attach.patch(llm, client, "call_utility", wrap)
+            _end_outputs_on_death(llm, client)
     return True
 
 
@@ -228,22 +224,24 @@ def _end_outputs_on_death(llm: Any, client: Any) -> None:
         return
 
     died = threading.Event()
-    get = client.get_output
 
     def dead() -> None:
         died.set()
         outputs.put_nowait(EngineDeadError())  # wakes the reader waiting now
 
-    @functools.wraps(get)
-    def get_output() -> Any:
-        if died.is_set() and outputs.empty():  # and every later one (the error above went to one reader)
-            raise EngineDeadError()
-        return get()
+    def wrap(get: Any) -> Any:
+        @functools.wraps(get)
+        def get_output() -> Any:
+            if died.is_set() and outputs.empty():  # and every later one (the error above went to one reader)
+                raise EngineDeadError()
+            return get()
+
+        return get_output
 
     from hotweights.engine.liveness import on_death
 
     if on_death(llm, dead):
-        client.get_output = get_output
+        attach.patch(llm, client, "get_output", wrap)
 
 
 def scheduler_paused(llm: Any) -> bool | None:
@@ -312,29 +310,33 @@ def on_shutdown(llm: Any, callback: Callable[[], object]) -> bool:
     """Run ``callback()`` once the engine's core client has shut down (``llm.llm_engine.engine_core.shutdown()``,
     what ``AsyncLLM.shutdown()`` and vLLM's finalizers call); False where the engine has no such client."""
     core: Any = getattr(_llm_engine(llm), "engine_core", None)
-    shutdown = getattr(core, "shutdown", None)
-    if core is None or not callable(shutdown):
+    if core is None or not callable(getattr(core, "shutdown", None)):
         return False
-    callbacks: list[Callable[[], object]] | None = getattr(core, "_hotweights_on_shutdown", None)
-    if callbacks is None:
-        pending: list[Callable[[], object]] = []
+    pending: list[Callable[[], object]] = attach.value(llm, "on_shutdown", list)
 
+    def wrap(shutdown: Any) -> Any:
         @functools.wraps(shutdown)
         def shutdown_then_release(*args: Any, **kwargs: Any) -> Any:
             try:
                 return shutdown(*args, **kwargs)
             finally:
-                while pending:
-                    done = pending.pop()
-                    try:
-                        done()
-                    except Exception:  # the engine is gone either way: say so, never raise from its shutdown
-                        _log.warning("hotweights: a clean-up after the engine shut down failed", exc_info=True)
+                release(pending)
 
-        core.shutdown = shutdown_then_release
-        core._hotweights_on_shutdown = callbacks = pending
-    callbacks.append(callback)
+        return shutdown_then_release
+
+    attach.patch(llm, core, "shutdown", wrap)
+    pending.append(callback)
     return True
+
+
+def release(pending: list[Callable[[], object]]) -> None:
+    """Run (and drop) the clean-ups :func:`on_shutdown` registered, latest first; a failing one is logged."""
+    while pending:
+        done = pending.pop()
+        try:
+            done()
+        except Exception:  # the engine is gone either way: say so, never raise from its shutdown
+            _log.warning("hotweights: a clean-up after the engine shut down failed", exc_info=True)
 
 
 def reload_model_inplace(vllm_config: Any, model: torch.nn.Module, items: Any) -> None:
@@ -562,23 +564,17 @@ def serving_gate(llm: Any) -> ServingGate:
     when an install starts are waited for (the install drains the engine), and a call among them may add its next
     requests meanwhile, so it never waits for the install that waits for it. Idempotent.
     """
-    gate = getattr(llm, "_hotweights_gate", None)
-    if isinstance(gate, ServingGate):
-        return gate
-    with _GATE_LOCK:
-        gate = getattr(llm, "_hotweights_gate", None)
-        if isinstance(gate, ServingGate):
-            return gate
-        from hotweights.engine.liveness import death
+    from hotweights.engine.liveness import death
 
+    def make() -> ServingGate:
         gate = ServingGate(idle=lambda: not has_unfinished_requests(llm), dead=lambda: death(llm))
         for name in GENERATION_METHODS:
-            method = getattr(llm, name, None)
-            if callable(method):
-                setattr(llm, name, _gated(method, gate))
+            attach.patch(llm, llm, name, lambda method: _gated(method, gate))
         _gate_requests(llm, gate)
-        llm._hotweights_gate = gate
         return gate
+
+    gate: ServingGate = attach.value(llm, "gate", make)
+    return gate
 
 
 def _gated(method: Any, gate: ServingGate) -> Any:
@@ -595,43 +591,52 @@ def _gate_requests(llm: Any, gate: ServingGate) -> None:
     until the adding thread's ``llm._run_engine`` returns, or until a step on any thread leaves the engine with no
     unfinished requests (a request may be added on one thread and stepped on another)."""
     engine = getattr(llm, "llm_engine", None)
-    add, step = getattr(engine, "add_request", None), getattr(engine, "step", None)
-    run = getattr(llm, "_run_engine", None)
-    if not callable(add) or not callable(step) or not callable(run):
+    if not all(
+        callable(getattr(o, n, None)) for o, n in ((engine, "add_request"), (engine, "step"), (llm, "_run_engine"))
+    ):
         return
 
     def release_if_idle() -> None:
         if gate.joined and not has_unfinished_requests(llm):
             gate.leave_all()
 
-    @functools.wraps(add)
-    def add_request(*args: Any, **kwargs: Any) -> Any:
-        held = gate.join()  # waits while an install runs, unless it drains work this call may belong to
-        try:
-            return add(*args, **kwargs)
-        except BaseException:
-            if held:
+    def gated_add(add: Any) -> Any:
+        @functools.wraps(add)
+        def add_request(*args: Any, **kwargs: Any) -> Any:
+            held = gate.join()  # waits while an install runs, unless it drains work this call may belong to
+            try:
+                return add(*args, **kwargs)
+            except BaseException:
+                if held:
+                    gate.leave()
+                raise
+
+        return add_request
+
+    def released_step(step: Any) -> Any:
+        @functools.wraps(step)
+        def step_engine(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return step(*args, **kwargs)
+            finally:
+                release_if_idle()
+
+        return step_engine
+
+    def released_run(run: Any) -> Any:
+        @functools.wraps(run)
+        def run_engine(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return run(*args, **kwargs)
+            finally:
                 gate.leave()
-            raise
+                release_if_idle()
 
-    @functools.wraps(step)
-    def step_engine(*args: Any, **kwargs: Any) -> Any:
-        try:
-            return step(*args, **kwargs)
-        finally:
-            release_if_idle()
+        return run_engine
 
-    @functools.wraps(run)
-    def run_engine(*args: Any, **kwargs: Any) -> Any:
-        try:
-            return run(*args, **kwargs)
-        finally:
-            gate.leave()
-            release_if_idle()
-
-    engine.add_request = add_request  # type: ignore[union-attr]
-    engine.step = step_engine  # type: ignore[union-attr]
-    llm._run_engine = run_engine
+    attach.patch(llm, engine, "add_request", gated_add)
+    attach.patch(llm, engine, "step", released_step)
+    attach.patch(llm, llm, "_run_engine", released_run)
 
 
 # ------------------------------------------------------------------------------------------- fixes inside vLLM

@@ -15,6 +15,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from hotweights.core import attach
 from hotweights.core.errors import WeightManifestValidationError
 from hotweights.core.manifest import ExpectedWeights, TensorSpec, WeightUpdateManifest, dtype_to_str
 from hotweights.engine import compat
@@ -24,7 +25,6 @@ __all__ = ["check_manifest", "checkpoint_dir", "checkpoint_expected", "expected_
 log = logging.getLogger("hotweights")
 
 TIED_LM_HEAD = "lm_head.weight"
-_WORKER_ATTR = "_hotweights_expected"
 
 
 def checkpoint_dir(model: str, revision: str | None = None, cache_dir: str | None = None) -> Path | None:
@@ -108,16 +108,18 @@ def check_manifest(owner: Any, manifest: WeightUpdateManifest) -> None:
     config = getattr(owner, "vllm_config", None)
     if config is None:  # not a vLLM worker (a staging area driven by hand): no model to check against
         return
-    if not hasattr(owner, _WORKER_ATTR):
-        expected = expected_from_config(config.model_config, getattr(config, "load_config", None))
-        if expected is None:
+
+    def read() -> ExpectedWeights | None:
+        found = expected_from_config(config.model_config, getattr(config, "load_config", None))
+        if found is None:
             log.warning(
                 "hotweights: this worker cannot read the checkpoint it serves (no local safetensors for %r), so "
                 "updates are checked only on the trainer's side",
                 getattr(getattr(config, "model_config", None), "model", None),
             )
-        setattr(owner, _WORKER_ATTR, expected)
-    expected = getattr(owner, _WORKER_ATTR)
+        return found
+
+    expected = attach.value(owner, "expected", read)
     if expected is None:
         return
     problems = expected.mismatches(manifest)

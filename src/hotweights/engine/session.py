@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar, cast
 import pydantic
 import torch
 
-from hotweights.core import envelope
+from hotweights.core import attach, envelope
 from hotweights.core.delta import DeltaManifest
 from hotweights.core.errors import DeltaBaseMismatchError, Mismatch, MismatchKind, WeightManifestValidationError
 from hotweights.core.manifest import WeightUpdateManifest
@@ -346,15 +346,9 @@ class WorkerSession:
         return {"ok": True, "update_id": delta.update_id, "method": options.method, "reason": "delta"}
 
 
-_ATTR = "_hotweights_session"
-
-
 def session_of(worker: Any, owner: Any = None) -> WorkerSession:
     """The session of ``worker``, created on first use and kept on it."""
-    session = getattr(worker, _ATTR, None)
-    if not isinstance(session, WorkerSession):
-        session = WorkerSession(worker, owner)
-        setattr(worker, _ATTR, session)
+    session: WorkerSession = attach.value(worker, "session", lambda: WorkerSession(worker, owner))
     return session
 
 

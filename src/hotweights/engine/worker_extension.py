@@ -17,6 +17,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
+from hotweights.core import attach
 from hotweights.core.envelope import enveloped
 from hotweights.engine.session import PROTOCOL, WorkerSession, session_of
 
@@ -30,7 +31,7 @@ class HotWeightsWorkerExtension:
     """Mixed into vLLM's worker class by ``worker_extension_cls``; every method is prefixed ``hotweights_``."""
 
     @property
-    def _hotweights(self) -> WorkerSession:
+    def _hotweights_session(self) -> WorkerSession:
         return session_of(self)
 
     @enveloped
@@ -42,34 +43,34 @@ class HotWeightsWorkerExtension:
         committed in this one call (one worker: one RPC instead of three), and the commit's summary comes back, or
         ``{"refused": <envelope>}`` when it was refused before anything was written."""
         if not bucket_json:
-            return self._hotweights.begin(options_json)
+            return self._hotweights_session.begin(options_json)
         if descriptor is None:
             raise ValueError("a bucket needs its descriptor")
-        return self._hotweights.install(
-            options_json, lambda update_id: self._hotweights.stage(update_id, bucket_json, descriptor)
+        return self._hotweights_session.install(
+            options_json, lambda update_id: self._hotweights_session.stage(update_id, bucket_json, descriptor)
         )
 
     @enveloped
     def hotweights_stage(self, update_id: str, bucket_json: str, descriptor: dict[str, Any]) -> int:
         """Receive one bucket through its transport and check it aside; returns the bytes staged."""
-        return self._hotweights.stage(update_id, bucket_json, descriptor)
+        return self._hotweights_session.stage(update_id, bucket_json, descriptor)
 
     @enveloped
     def hotweights_prepare(self, update_id: str) -> list[dict[str, str]]:
         """Ready the session to commit without writing (every bucket arrived; a delta rebuilt aside); the problems
         a delta has (none: ready)."""
-        return self._hotweights.prepare(update_id)
+        return self._hotweights_session.prepare(update_id)
 
     @enveloped
     def hotweights_commit(self, update_id: str) -> dict[str, int | str | float]:
         """Install what the session staged, and say how (``install_method``, ``install_reason``), what was checked
         after transit (``digests_verified``) and what was read back."""
-        return self._hotweights.commit(update_id)
+        return self._hotweights_session.commit(update_id)
 
     @enveloped
     def hotweights_abort(self, update_id: str | None = None) -> bool:
         """Drop the open session (only ``update_id``'s when given); the model was never touched."""
-        return self._hotweights.abort(update_id)
+        return self._hotweights_session.abort(update_id)
 
     @enveloped
     def hotweights_engine(self, op: str, args_json: str = "{}") -> Any:
@@ -106,7 +107,7 @@ def _status(worker: Any) -> dict[str, Any]:
         "hotweights": "hotweights",
         "protocol": PROTOCOL,
         "weights_asleep": weights_asleep_here(),
-        "pause_owner": str(getattr(worker, "_hotweights_pause_owner", "")),
+        "pause_owner": str(attach.get(worker, "pause_owner", "")),
         "delta_copy_bytes": base.copy.nbytes if own and base.copy is not None else 0,
         "delta_shared_base": str(base.mapped.path) if base.mapped is not None else "",
         "session": session.update_id or "",
@@ -125,8 +126,8 @@ def _pause(worker: Any, action: str, owner: str = "") -> str:
         raise ValueError(f"unknown pause action {action!r}; use 'claim' or 'release'")
     if not isinstance(owner, str) or len(owner) > 1024:
         raise ValueError("a pause owner record is a string of at most 1024 characters")
-    was = str(getattr(worker, "_hotweights_pause_owner", ""))
-    worker._hotweights_pause_owner = owner if action == "claim" else ""
+    was = str(attach.get(worker, "pause_owner", ""))
+    attach.put(worker, "pause_owner", owner if action == "claim" else "")
     return was
 
 

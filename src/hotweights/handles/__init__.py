@@ -5,18 +5,14 @@ shares: the serving gate, the active version and the delta base."""
 
 from __future__ import annotations
 
-import threading
 from typing import Any
 
+from hotweights.core import attach
 from hotweights.core.errors import EngineNotSupportedError
 from hotweights.engine import compat
 from hotweights.handles.base import EngineHandle, PauseMode
 
 __all__ = ["EngineHandle", "PauseMode", "as_engine"]
-
-# The handle lives on the engine object itself (a registry keyed by engine would keep every engine alive).
-_ATTR = "_hotweights_handle"
-_LOCK = threading.RLock()  # two first installs from two threads build one handle
 
 
 def as_engine(obj: Any) -> EngineHandle:
@@ -28,22 +24,23 @@ def as_engine(obj: Any) -> EngineHandle:
     """
     if isinstance(obj, EngineHandle):
         return obj
-    handle = getattr(obj, _ATTR, None)
+    handle = attach.get(obj, "handle")
     if isinstance(handle, EngineHandle):
         return handle
-    with _LOCK:
-        handle = getattr(obj, _ATTR, None)
-        if isinstance(handle, EngineHandle):
-            return handle
-        handle = _new_handle(obj)
-        setattr(obj, _ATTR, handle)
-        return handle
-
-
-def _new_handle(obj: Any) -> EngineHandle:
     kind = compat.engine_kind(obj)
-    if kind:
-        compat.warn_untested_vllm()
+    if not kind:
+        raise EngineNotSupportedError(
+            f"{type(obj).__name__} is not an engine hotweights can install into: pass a vllm.LLM, a vLLM AsyncLLM, "
+            "or the handle returned by hotweights.connect(url) for a `vllm serve` process"
+        )
+    # Kept on the engine object itself (a registry keyed by engine would keep every engine alive); two first
+    # installs from two threads build one handle.
+    made: EngineHandle = attach.value(obj, "handle", lambda: _new_handle(obj, kind))
+    return made
+
+
+def _new_handle(obj: Any, kind: str) -> EngineHandle:
+    compat.warn_untested_vllm()
     if kind == "llm":
         from hotweights.handles.llm import LLMHandle
 
@@ -51,8 +48,4 @@ def _new_handle(obj: Any) -> EngineHandle:
     if kind == "async_llm":
         from hotweights.handles.async_llm import AsyncLLMHandle
 
-        return AsyncLLMHandle(obj)
-    raise EngineNotSupportedError(
-        f"{type(obj).__name__} is not an engine hotweights can install into: pass a vllm.LLM, a vLLM AsyncLLM, "
-        "or the handle returned by hotweights.connect(url) for a `vllm serve` process"
-    )
+    return AsyncLLMHandle(obj)

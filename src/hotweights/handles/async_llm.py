@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from contextlib import contextmanager
 from typing import Any, ClassVar, TypeVar
 
+from hotweights.core import attach
 from hotweights.core.errors import HotWeightsTimeoutError, PartialUpdateError
 from hotweights.core.manifest import ExpectedWeights
 from hotweights.engine import compat, liveness
@@ -47,9 +48,7 @@ class AsyncLLMHandle(EngineHandle):
         self._gate = PauseGate(self)
         self._sleep = SleepTracker(engine, is_async=True)
         for name in REQUEST_METHODS:
-            method = getattr(engine, name, None)
-            if callable(method) and not hasattr(method, "__hotweights_gate__"):
-                setattr(engine, name, _refusing(method, self._gate))
+            attach.patch(engine, engine, name, lambda method: _refusing(method, self._gate))
 
     def bind(self, loop: asyncio.AbstractEventLoop, pause: PauseMode) -> None:
         """Drive the engine through ``loop`` (the one it runs on); ValueError for a ``pause`` it cannot honour."""
@@ -181,7 +180,6 @@ def _refusing(method: Callable[..., AsyncIterator[Any]], gate: PauseGate) -> Cal
         async for item in method(*args, **kwargs):
             yield item
 
-    call.__hotweights_gate__ = gate  # type: ignore[attr-defined]
     return call
 
 

@@ -13,6 +13,8 @@ import functools
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from hotweights.core import attach
+
 __all__ = ["SleepTracker"]
 
 WEIGHTS = "weights"
@@ -24,11 +26,10 @@ class SleepTracker:
     def __init__(self, engine: Any, *, is_async: bool) -> None:
         self.weights_asleep: bool | None = None
         """True/False once a call was seen; None while unknown (the coarse report decides)."""
-        sleep, wake_up = getattr(engine, "sleep", None), getattr(engine, "wake_up", None)
-        if callable(sleep) and callable(wake_up) and not hasattr(sleep, "__hotweights_sleep__"):
+        if callable(getattr(engine, "sleep", None)) and callable(getattr(engine, "wake_up", None)):
             wrap = self._wrap_async if is_async else self._wrap
-            engine.sleep = wrap(sleep, self._slept)
-            engine.wake_up = wrap(wake_up, self._woke)
+            attach.patch(engine, engine, "sleep", lambda method: wrap(method, self._slept))
+            attach.patch(engine, engine, "wake_up", lambda method: wrap(method, self._woke))
 
     def _slept(self, *args: Any, **kwargs: Any) -> None:
         level = kwargs.get("level", args[0] if args else 1)
@@ -48,7 +49,6 @@ class SleepTracker:
             record(*args, **kwargs)
             return result
 
-        call.__hotweights_sleep__ = True  # type: ignore[attr-defined]
         return call
 
     @staticmethod
@@ -59,7 +59,6 @@ class SleepTracker:
             record(*args, **kwargs)
             return result
 
-        call.__hotweights_sleep__ = True  # type: ignore[attr-defined]
         return call
 
     def asleep(self, coarse: Callable[[], bool]) -> bool:

@@ -24,6 +24,7 @@ from typing import Any, NoReturn
 import torch
 import torch.distributed
 
+from hotweights.core import attach
 from hotweights.core.buckets import Bucket, pack_into
 from hotweights.core.errors import HotWeightsError, HotWeightsTimeoutError, InstallError
 from hotweights.transports.base import Descriptor, EngineLink, Stage, WeightTransport
@@ -32,7 +33,6 @@ __all__ = ["MAX_TIMEOUT_S", "MAX_WORKERS", "Transport", "close_group", "create_g
 
 log = logging.getLogger("hotweights")
 
-_GROUP_ATTR = "_hotweights_group"
 _BACKENDS = ("gloo", "nccl")
 #: Upper bound (seconds) of the timeout a worker accepts from the trainer; ``HOTWEIGHTS_MAX_RPC_TIMEOUT`` overrides.
 MAX_TIMEOUT_S = 600.0
@@ -333,13 +333,13 @@ def init_worker_group(worker: Any, host: str, port: int, world_size: int, backen
         log.warning("hotweights: collective timeout %s s capped at %s s (HOTWEIGHTS_MAX_RPC_TIMEOUT)", timeout, cap)
     close_group(worker)
     group = create_group(host, port, rank, world_size, backend, min(timeout, cap))
-    setattr(worker, _GROUP_ATTR, (group, backend))
+    attach.put(worker, "group", (group, backend))
 
 
 def close_group(worker: Any) -> bool:
     """Drop the worker's group, if any."""
-    had = getattr(worker, _GROUP_ATTR, None) is not None
-    setattr(worker, _GROUP_ATTR, None)
+    had = attach.get(worker, "group") is not None
+    attach.put(worker, "group", None)
     return had
 
 
@@ -349,7 +349,7 @@ def open_bucket(descriptor: Descriptor, worker: Any = None) -> tuple[torch.Tenso
     ``descriptor["nbytes"]`` is checked against the bucket and the manifest by the staging area before this is
     called (:func:`~hotweights.core.buckets.bucket_problems`); here it only has to be a byte count.
     """
-    entry = getattr(worker, _GROUP_ATTR, None)
+    entry = attach.get(worker, "group")
     if entry is None:
         raise RuntimeError("no hotweights communicator on this worker; the trainer must connect the transport first")
     nbytes = descriptor.get("nbytes")

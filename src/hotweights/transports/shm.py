@@ -42,6 +42,7 @@ from typing import Any
 
 import torch
 
+from hotweights.core import attach
 from hotweights.core.buckets import Bucket, byte_views, pack_into
 from hotweights.transports.base import Descriptor, EngineLink, Stage, WeightTransport
 
@@ -577,10 +578,7 @@ def _foreign_owner(st: os.stat_result) -> str:
 
 def _kept_segments(worker: Any) -> dict[str, tuple[int | None, mmap.mmap]]:
     """This worker's kept segments: id -> (trainer pid if this process can see it, mapping)."""
-    segments: dict[str, tuple[int | None, mmap.mmap]] | None = getattr(worker, "_hotweights_shm_segments", None)
-    if segments is None:
-        segments = {}
-        worker._hotweights_shm_segments = segments
+    segments: dict[str, tuple[int | None, mmap.mmap]] = attach.value(worker, "shm_segments", dict)
     return segments
 
 

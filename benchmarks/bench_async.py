@@ -1,0 +1,241 @@
+"""Asynchronous RL: what an install costs an ``AsyncLLM`` that never stops serving.
+
+One ``AsyncLLM`` (multiprocess, hotweights' worker extension) serves a steady load: ``--streams`` concurrent
+requests, each a fixed prompt of 16 tokens and ``--max-tokens`` output tokens (greedy, ``ignore_eos``), replaced as
+soon as it finishes. Every profile runs ``--seconds`` of that load; all but ``idle`` install B, A, B, ... every
+``--every`` seconds from a trainer coroutine on the same event loop:
+
+- ``idle``: no installs (the reference tokens/s);
+- ``wait``, ``abort``, ``keep``: ``hotweights.install_async(..., pause=mode)``, atomic commit (the default adapter);
+- ``streaming``: ``pause="wait"`` through ``VLLMMultiprocessAdapter(engine, commit="streaming")``;
+- ``native``: vLLM's own flow on the same engine, no hotweights in the path: ``pause_generation(mode="keep")``,
+  the weights written as one safetensors file in /dev/shm, ``collective_rpc("reload_weights", weights_path=...)``,
+  ``reset_prefix_cache``, ``resume_generation``.
+
+Per profile it prints: output tokens/s and its ratio to ``idle``; per install (medians): the whole install time, the
+stall (``report.stall_s``: generation held off, from the pause to the resume; for ``native`` the same span timed
+here) and the longest gap between two consecutive tokens of any request that ran across the install; in keep mode,
+how many requests finished with tokens of two versions (``hotweights.weight_versions_of``). After the last install
+the engine's greedy tokens must equal HF's on the last checkpoint installed (exit 1 otherwise).
+
+Run: ``.venv/bin/python benchmarks/bench_async.py`` (the 150m model: ~150M-param fp32 Qwen2, 612 MB) or
+``--size tiny`` (seconds, for a smoke run); ``--profiles idle,keep`` picks profiles.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+import hotweights
+from hotweights.adapters import VLLMMultiprocessAdapter
+from hotweights.testing import EventLoopThread, build_tiny_model, greedy_hf, start_async_engine
+
+PROFILES = ("idle", "wait", "abort", "keep", "streaming", "native")
+SIZES: dict[str, dict[str, int]] = {
+    "150m": {"hidden": 768, "layers": 12, "heads": 12, "kv_heads": 4, "intermediate": 3072, "vocab": 32000},
+    "tiny": {},
+}
+PROMPT = list(range(100, 116))
+
+
+@dataclass
+class Load:
+    """What the request streams saw: token arrival times per request, finished outputs."""
+
+    tokens: int = 0
+    arrivals: list[list[float]] = field(default_factory=list)
+    finished: list[Any] = field(default_factory=list)
+    stop: bool = False
+
+
+@dataclass
+class Install:
+    start: float
+    end: float
+    stall_s: float
+
+
+async def stream(engine: Any, load: Load, max_tokens: int, ids: Any) -> None:
+    from vllm import SamplingParams
+
+    sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False)
+    while not load.stop:
+        times: list[float] = []
+        load.arrivals.append(times)
+        seen, final = 0, None
+        async for out in engine.generate({"prompt_token_ids": PROMPT}, sp, request_id=f"bench-{next(ids)}"):
+            n = len(out.outputs[0].token_ids)
+            now = time.perf_counter()
+            times.extend([now] * (n - seen))
+            load.tokens += n - seen
+            seen, final = n, out
+        if final is not None:
+            load.finished.append(final.outputs[0])
+
+
+def longest_gap(load: Load, install: Install) -> float:
+    """The longest wait between consecutive tokens of a request that had tokens before and after the install's
+    start (ran across it)."""
+    worst = 0.0
+    for times in load.arrivals:
+        if len(times) < 2 or not (times[0] < install.start < times[-1]):
+            continue
+        worst = max(worst, max(b - a for a, b in itertools.pairwise(times)))
+    return worst
+
+
+async def native_install(engine: Any, sd: dict[str, torch.Tensor], version: int, tmp: Path) -> float:
+    """vLLM's own flow; returns the seconds generation was paused."""
+    path = Path(tempfile.mkdtemp(dir="/dev/shm", prefix="bench-async-native-"))
+    await asyncio.to_thread(save_file, {k: v.contiguous() for k, v in sd.items()}, str(path / "model.safetensors"))
+    paused = time.perf_counter()
+    await engine.pause_generation(mode="keep")
+    try:
+        await engine.collective_rpc("reload_weights", kwargs={"weights_path": str(path), "is_checkpoint_format": True})
+        await engine.reset_prefix_cache()
+        await engine.update_weight_version(str(version))
+    finally:
+        await engine.resume_generation()
+        for f in path.iterdir():
+            f.unlink()
+        path.rmdir()
+    return time.perf_counter() - paused
+
+
+async def run_profile(
+    engine: Any, profile: str, pair: list[dict[str, torch.Tensor]], args: argparse.Namespace, state: dict[str, Any]
+) -> dict[str, Any]:
+    load, installs = Load(), []
+    ids = state["ids"]
+    streams = [asyncio.create_task(stream(engine, load, args.max_tokens, ids)) for _ in range(args.streams)]
+    await asyncio.sleep(1.0)  # warm: every stream is decoding
+    tokens0, start = load.tokens, time.perf_counter()
+    deadline = start + args.seconds
+    while profile != "idle" and time.perf_counter() + args.every < deadline:
+        await asyncio.sleep(args.every)
+        state["version"] += 1
+        version = state["version"]
+        sd = pair[version % 2]
+        t0 = time.perf_counter()
+        if profile == "native":
+            stall = await native_install(engine, sd, version, args.tmp)
+        else:
+            options: dict[str, Any] = {"pause": "wait" if profile == "streaming" else profile}
+            if profile == "streaming":
+                if "streaming" not in state:
+                    state["streaming"] = await asyncio.to_thread(VLLMMultiprocessAdapter, engine, commit="streaming")
+                options["adapter"] = state["streaming"]
+            report = await hotweights.install_async(engine, sd, weight_version=version, **options)
+            stall = report.stall_s or 0.0
+        installs.append(Install(t0, time.perf_counter(), stall))
+        state["last"] = version % 2
+    await asyncio.sleep(max(0.0, deadline - time.perf_counter()))
+    elapsed, tokens = time.perf_counter() - start, load.tokens - tokens0
+    load.stop = True
+    await asyncio.gather(*streams)
+    mixed = sum(1 for o in load.finished if hotweights.weight_versions_of(o).mixed)
+    return {
+        "profile": profile,
+        "tok_s": tokens / elapsed,
+        "installs": len(installs),
+        "install_s": statistics.median(i.end - i.start for i in installs) if installs else 0.0,
+        "stall_s": statistics.median(i.stall_s for i in installs) if installs else 0.0,
+        "gap_s": statistics.median(longest_gap(load, i) for i in installs) if installs else 0.0,
+        "mixed": mixed,
+        "requests": len(load.finished),
+    }
+
+
+async def greedy(engine: Any) -> list[list[int]]:
+    from vllm import SamplingParams
+
+    from hotweights.testing import PROMPTS
+
+    sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, detokenize=False)
+
+    async def one(i: int, prompt: list[int]) -> list[int]:
+        final = None
+        async for out in engine.generate({"prompt_token_ids": list(prompt)}, sp, request_id=f"bench-check-{i}"):
+            final = out
+        assert final is not None
+        return list(final.outputs[0].token_ids)
+
+    return list(await asyncio.gather(*(one(i, p) for i, p in enumerate(PROMPTS))))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--size", choices=sorted(SIZES), default="150m")
+    parser.add_argument("--profiles", default=",".join(PROFILES))
+    parser.add_argument("--seconds", type=float, default=30.0, help="load per profile")
+    parser.add_argument("--every", type=float, default=5.0, help="seconds between installs")
+    parser.add_argument("--streams", type=int, default=4)
+    parser.add_argument("--max-tokens", type=int, default=48)
+    args = parser.parse_args()
+    profiles = [p for p in args.profiles.split(",") if p]
+    unknown = set(profiles) - set(PROFILES)
+    if unknown:
+        parser.error(f"unknown profiles {sorted(unknown)}; choose from {PROFILES}")
+    models = [build_tiny_model("qwen2", seed=s, **SIZES[args.size]) for s in (1, 2)]
+    pair = [{k: v.detach().clone() for k, v in m.state_dict().items()} for m in models]
+    nbytes = sum(t.nbytes for t in pair[0].values())
+    refs = [greedy_hf(m) for m in models]
+    with tempfile.TemporaryDirectory(prefix="bench-async-") as tmp:
+        args.tmp = Path(tmp)
+        path = Path(tmp) / "A"
+        models[0].save_pretrained(path, safe_serialization=True)
+        loop = EventLoopThread()
+        engine = loop.call(start_async_engine, path, worker_extension_cls=hotweights.WORKER_EXTENSION)
+        state: dict[str, Any] = {"version": 0, "last": 0, "ids": iter(range(10**9))}
+        rows = []
+        try:
+            print(
+                f"{args.size}: {nbytes / 1e6:.0f} MB fp32; {args.streams} streams x {args.max_tokens} tokens; "
+                f"installs every {args.every:g} s over {args.seconds:g} s per profile",
+                flush=True,
+            )
+            for profile in profiles:
+                row = loop.run(run_profile(engine, profile, pair, args, state), timeout=args.seconds * 4 + 600)
+                rows.append(row)
+                print(
+                    f"{profile:>9}: {row['tok_s']:7.1f} tok/s, {row['installs']} installs, install "
+                    f"{row['install_s']:.2f} s, stall {row['stall_s']:.2f} s, longest token gap {row['gap_s']:.2f} s, "
+                    f"{row['mixed']}/{row['requests']} requests with two versions",
+                    flush=True,
+                )
+            served = loop.run(greedy(engine))
+        finally:
+            engine.shutdown()
+            loop.close()
+    idle = next((r["tok_s"] for r in rows if r["profile"] == "idle"), None)
+    print("\n| profile | tok/s | vs idle | installs | install s | stall s | stall / install | longest gap s | mixed |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        ratio = f"{r['tok_s'] / idle:.2f}" if idle else "-"
+        share = f"{r['stall_s'] / r['install_s']:.2f}" if r["install_s"] else "-"
+        print(
+            f"| {r['profile']} | {r['tok_s']:.1f} | {ratio} | {r['installs']} | {r['install_s']:.2f} | "
+            f"{r['stall_s']:.2f} | {share} | {r['gap_s']:.2f} | {r['mixed']}/{r['requests']} |"
+        )
+    expected = refs[state["last"]] if state["version"] else refs[0]
+    if served != expected:
+        print(f"FAIL: after the last install the engine serves {served}, HF on that checkpoint gives {expected}")
+        return 1
+    print("engine equals HF on the last checkpoint installed")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
