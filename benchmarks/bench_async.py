@@ -14,7 +14,8 @@ soon as it finishes. Every profile runs ``--seconds`` of that load; all but ``id
 
 Per profile it prints: output tokens/s and its ratio to ``idle``; per install (medians): the whole install time, the
 stall (``report.stall_s``: generation held off, from the pause to the resume; for ``native`` the same span timed
-here) and the longest gap between two consecutive tokens of any request that ran across the install; in keep mode,
+here) and the longest gap between two consecutive tokens of one stream during the install (within a request, or from
+one request's last token to the next one's first); in keep mode,
 how many requests finished with tokens of two versions (``hotweights.weight_versions_of``). After the last install
 the engine's greedy tokens must equal HF's on the last checkpoint installed (exit 1 otherwise).
 
@@ -52,7 +53,8 @@ PROMPT = list(range(100, 116))
 
 @dataclass
 class Load:
-    """What the request streams saw: token arrival times per request, finished outputs."""
+    """What the request streams saw: token arrival times per stream (its requests one after the other), finished
+    outputs."""
 
     tokens: int = 0
     arrivals: list[list[float]] = field(default_factory=list)
@@ -71,9 +73,9 @@ async def stream(engine: Any, load: Load, max_tokens: int, ids: Any) -> None:
     from vllm import SamplingParams
 
     sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False)
+    times: list[float] = []
+    load.arrivals.append(times)
     while not load.stop:
-        times: list[float] = []
-        load.arrivals.append(times)
         seen, final = 0, None
         async for out in engine.generate({"prompt_token_ids": PROMPT}, sp, request_id=f"bench-{next(ids)}"):
             n = len(out.outputs[0].token_ids)
@@ -86,14 +88,13 @@ async def stream(engine: Any, load: Load, max_tokens: int, ids: Any) -> None:
 
 
 def longest_gap(load: Load, install: Install) -> float:
-    """The longest wait between consecutive tokens of a request that had tokens before and after the install's
-    start (ran across it)."""
-    worst = 0.0
-    for times in load.arrivals:
-        if len(times) < 2 or not (times[0] < install.start < times[-1]):
-            continue
-        worst = max(worst, max(b - a for a, b in itertools.pairwise(times)))
-    return worst
+    """The longest wait between two consecutive tokens of one stream (within a request, or from a request's last
+    token to the next one's first: a request that arrived during a pause waits for its first) that overlaps the
+    install."""
+    gaps = (
+        b - a for times in load.arrivals for a, b in itertools.pairwise(times) if b > install.start and a < install.end
+    )
+    return max(gaps, default=0.0)
 
 
 async def native_install(engine: Any, sd: dict[str, torch.Tensor], version: int, tmp: Path) -> float:

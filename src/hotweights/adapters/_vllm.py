@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, Literal, TypedDict
 
 from hotweights.adapters._wires import Wire
-from hotweights.adapters.base import Items, PrefixCachePolicy, WeightInstallAdapter
+from hotweights.adapters.base import InstallCall, Items, PrefixCachePolicy, WeightInstallAdapter
 from hotweights.core import envelope, two_phase
 from hotweights.core.buckets import Bucket, default_bucket_bytes, plan_buckets
 from hotweights.core.cast import item_names, lazy_mapping
@@ -23,7 +23,6 @@ from hotweights.core.errors import (
     InstallError,
 )
 from hotweights.core.manifest import ExpectedWeights, WeightUpdateManifest
-from hotweights.core.report import PhaseTimer
 from hotweights.engine.session import SessionOptions, refusal
 from hotweights.handles import EngineHandle, as_engine
 from hotweights.telemetry import best_effort, bucket_progress, logger
@@ -235,24 +234,24 @@ class VLLMSessionAdapter(VLLMEngineAdapter):
         return self.wire.engine_op(op, **args)
 
     # ------------------------------------------------------------------ the session
-    def _options(self, **more: Any) -> SessionOptions:
+    def _options(self, timer: InstallCall, **more: Any) -> SessionOptions:
         return SessionOptions(
             method=self.install_method,
             commit=self.commit,
-            verify=self._verify_now,
+            verify=timer.verify,
             expires_s=_expiry(),
             **more,
         )
 
-    def _install(self, manifest: WeightUpdateManifest, items: Items, timer: PhaseTimer) -> dict[str, Any]:
-        if self._verify_now and self.commit == "streaming":
+    def _install(self, manifest: WeightUpdateManifest, items: Items, timer: InstallCall) -> dict[str, Any]:
+        if timer.verify and self.commit == "streaming":
             raise ValueError("verify=True needs commit='atomic': a streaming install keeps no copy of what it wrote")
         keep = self._delta.tracking and self._keeps_base_on_workers and not self._shares_base
         sent = self._sent_manifest(manifest, item_names(items))
-        return self._session(sent, self._options(keep_base=keep), lazy_mapping(items), timer)
+        return self._session(sent, self._options(timer, keep_base=keep), lazy_mapping(items), timer)
 
     def _install_delta(
-        self, manifest: WeightUpdateManifest, delta: EncodedDelta, staged: StagedDelta, timer: PhaseTimer
+        self, manifest: WeightUpdateManifest, delta: EncodedDelta, staged: StagedDelta, timer: InstallCall
     ) -> dict[str, Any]:
         dm = delta.manifest
         wire = dm.wire_manifest(delta.wire if manifest.has_digests else None)
@@ -295,7 +294,7 @@ class VLLMSessionAdapter(VLLMEngineAdapter):
         return base
 
     def _session(
-        self, sent: WeightUpdateManifest | None, options: SessionOptions, tensors: Any, timer: PhaseTimer
+        self, sent: WeightUpdateManifest | None, options: SessionOptions, tensors: Any, timer: InstallCall
     ) -> dict[str, Any]:
         """Run one session: begin, every bucket through the transport, prepare, commit; abort on any failure.
         ``sent`` describes what crosses (None: a delta that changes nothing)."""
@@ -329,10 +328,10 @@ class VLLMSessionAdapter(VLLMEngineAdapter):
         if readback:  # the workers' read-back, inside the install call: its own phase in the report
             timer.phases["install"] = max(0.0, timer.phases.get("install", 0.0) - readback)
             timer.add("verify", readback)
-        return self._summary(summaries, sent)
+        return self._summary(summaries, sent, timer)
 
     def _send(
-        self, sent: WeightUpdateManifest, tensors: Any, plan: list[Bucket], timer: PhaseTimer, streaming: bool
+        self, sent: WeightUpdateManifest, tensors: Any, plan: list[Bucket], timer: InstallCall, streaming: bool
     ) -> None:
         """Every bucket of ``plan`` through the transport, each staged by every worker."""
         with timer("transfer"), bucket_progress(plan, f"{self.label} v{sent.weight_version}") as buckets:
@@ -351,7 +350,7 @@ class VLLMSessionAdapter(VLLMEngineAdapter):
         sent: WeightUpdateManifest,
         tensors: Any,
         plan: list[Bucket],
-        timer: PhaseTimer,
+        timer: InstallCall,
     ) -> list[dict[str, Any]]:
         """The whole session in one call: a one-bucket update into one worker (once the trainer wrote the bucket).
         The ``transfer`` phase is the trainer's write."""
@@ -363,11 +362,11 @@ class VLLMSessionAdapter(VLLMEngineAdapter):
                 try:
                     summaries[:] = self.wire.install(options, sent, call_payload)
                 except EngineNotSupportedError:
-                    self._untouched()  # refused by the engine handle before the call left this process
+                    self._untouched(timer)  # refused by the engine handle before the call left this process
                     raise
             refused = [s["refused"] for s in summaries if isinstance(s, dict) and "refused" in s]
             if refused:  # raised here, so a transport waiting on the worker stops at once
-                self._untouched()  # the worker refused it before installing: nothing to recover
+                self._untouched(timer)  # the worker refused it before installing: nothing to recover
                 typed = envelope.decode(refused[0])  # e.g. a forced direct install into a model it cannot prove
                 raise typed or InstallError(
                     f"the engine's worker refused update {sent.update_id} before installing it, "
@@ -385,12 +384,14 @@ class VLLMSessionAdapter(VLLMEngineAdapter):
         self.transport.send(plan[0], tensors, deliver)
         return summaries
 
-    def _summary(self, summaries: list[dict[str, Any]], sent: WeightUpdateManifest | None) -> dict[str, Any]:
+    def _summary(
+        self, summaries: list[dict[str, Any]], sent: WeightUpdateManifest | None, timer: InstallCall
+    ) -> dict[str, Any]:
         """The workers' summaries as one (they serve one model, so they agree on the method)."""
         if summaries and all(s for s in summaries):
             methods = sorted({str(s.get("install_method", self.install_method)) for s in summaries})
             reasons = sorted({str(s.get("install_reason", "")) for s in summaries})
-            self._ran(methods[0] if len(methods) == 1 else "mixed", " | ".join(reasons))
+            self._ran(timer, methods[0] if len(methods) == 1 else "mixed", " | ".join(reasons))
         if not summaries:
             return {}
         return {

@@ -40,7 +40,7 @@ from hotweights.core.probe import ProbeReference
 from hotweights.core.report import InstallReport, PhaseTimer
 from hotweights.telemetry import best_effort, log_report
 
-__all__ = ["PrefixCachePolicy", "WeightInstallAdapter"]
+__all__ = ["InstallCall", "PrefixCachePolicy", "WeightInstallAdapter"]
 
 logger = logging.getLogger("hotweights")
 
@@ -49,6 +49,21 @@ PrefixCachePolicy = Literal["reset", "keep"]
 old weights. ``keep``: leave the cache (only for callers that reset it themselves)."""
 
 Items = Sequence[tuple[str, torch.Tensor]]
+
+
+class InstallCall(PhaseTimer):
+    """One install in progress: its phases, and what belongs to it alone, never to the adapter that several installs
+    share: the verify option, whether the engine may have been written, the gate it holds (``writing``), when it
+    took it (the start of its stall) and which install path ran."""
+
+    def __init__(self, verify: bool = False, *, strict: bool = False) -> None:
+        super().__init__()
+        self.verify = verify
+        self.strict = strict
+        self.writing = ExitStack()
+        self.may_have_written = False
+        self.held_since: float | None = None
+        self.path: tuple[str, str] | None = None
 
 
 class WeightInstallAdapter(ABC):
@@ -96,17 +111,11 @@ class WeightInstallAdapter(ABC):
         self._version = version if version is not None else ActiveVersion()
         self.active_update_id: str | None = None
         self._lock = threading.Lock()
-        self._may_have_written = False
         self.gate = gate
         """Held alone from the first write to the prefix-cache reset, so no generation call sees a mix."""
-        self._writing = ExitStack()
         self._delta = delta_state if delta_state is not None else DeltaState()
         """The host copy deltas are computed against (see :mod:`hotweights.core.delta`): the engine's handle holds
         it for adapters bound to an engine, so every adapter on it shares one."""
-        self._path: tuple[str, str] | None = None  # set by _ran() during an install, read into its report
-        self._verify_now = False  # install(verify=...) of the install in progress
-        self._verify_strict = False  # ... and whether it was verify="strict"
-        self._held_since: float | None = None  # when the install in progress held the gate (its stall began)
 
     @property
     def label(self) -> str:
@@ -196,19 +205,19 @@ class WeightInstallAdapter(ABC):
                 "raise lock_timeout"
             )
         try:
-            self._verify_strict = verify == "strict"
-            self._verify_now = self._verify_option(verify)
-            if self._verify_now and delta:
+            call = InstallCall(self._verify_option(verify), strict=verify == "strict")
+            if call.verify and delta:
                 raise ValueError(
                     "verify=True and delta=True do not combine yet (a delta install reinstalls only the "
                     "touched blocks); nothing was written. Install with one of them."
                 )
-            return log_report(self._install_locked(manifest, _as_items(tensors), force, delta, cast, family))
+            return log_report(self._install_locked(call, manifest, _as_items(tensors), force, delta, cast, family))
         finally:
             self._lock.release()
 
     def _install_locked(
         self,
+        timer: InstallCall,
         manifest: WeightUpdateManifest,
         items: Items,
         force: bool,
@@ -216,7 +225,6 @@ class WeightInstallAdapter(ABC):
         cast: Cast | None = None,
         family: FamilyCheck | None = None,
     ) -> InstallReport:
-        timer = PhaseTimer()
         with timer("validate"):
             if cast is not None:
                 manifest, items = self._cast(manifest, items, cast)
@@ -227,13 +235,11 @@ class WeightInstallAdapter(ABC):
                 raise EngineNotSupportedError(f"{refusal}; nothing was written. Install with delta=False.")
         encoded = self._encode_delta(manifest, send, timer) if delta and self._delta.base is not None else None
         self._delta.tracking = self._delta.tracking or delta  # from the first delta install on, keep a copy
-        self._may_have_written = False
-        self._held_since = None
-        with ExitStack() as self._writing:  # holds the gate from the first write until the cache is reset
+        with timer.writing:  # holds the gate from the first write until the cache is reset
             report = self._commit(manifest, send, skipped, timer, encoded, delta, family, probe)
-        if self._held_since is None:
+        if timer.held_since is None:
             return report
-        return report.model_copy(update={"stall_s": time.perf_counter() - self._held_since})  # the gate is open
+        return report.model_copy(update={"stall_s": time.perf_counter() - timer.held_since})  # the gate is open
 
     def _cast(self, manifest: WeightUpdateManifest, items: Items, cast: Cast) -> tuple[WeightUpdateManifest, CastItems]:
         """Check ``items`` against the caller's ``manifest``, then both as the engine will receive them (cast
@@ -263,26 +269,27 @@ class WeightInstallAdapter(ABC):
             )
             return encoded, base.staged(encoded)
 
-    def _begin_writing(self, timer: PhaseTimer) -> None:
+    def _begin_writing(self, timer: InstallCall) -> None:
         """Called by an adapter right before its first step that can change live weights: waits for running
         generation calls (holding new ones off until the install is done) and arms recovery."""
-        if self.gate is not None and not self._may_have_written:
+        if self.gate is not None and not timer.may_have_written:
             with timer("wait_generation"):
-                self._writing.enter_context(self.gate.installing(self.lock_timeout))
-            self._held_since = time.perf_counter()
-        self._may_have_written = True
+                timer.writing.enter_context(self.gate.installing(self.lock_timeout))
+            timer.held_since = time.perf_counter()
+        timer.may_have_written = True
 
-    def _untouched(self) -> None:
+    @staticmethod
+    def _untouched(timer: InstallCall) -> None:
         """The engine confirmed that nothing was written after :meth:`_begin_writing` (it refused the update
         first): a failure now needs no recovery."""
-        self._may_have_written = False
+        timer.may_have_written = False
 
     def _commit(
         self,
         manifest: WeightUpdateManifest,
         send: Items,
         skipped: list[tuple[str, str]],
-        timer: PhaseTimer,
+        timer: InstallCall,
         delta: tuple[EncodedDelta, StagedDelta] | None = None,
         delta_asked: bool = False,
         family: FamilyCheck | None = None,
@@ -293,18 +300,18 @@ class WeightInstallAdapter(ABC):
                 summary = self._install_delta(manifest, *delta, timer) or {}
             else:
                 summary = self._install(manifest, send, timer) or {}
-            self._check_strict_readback(summary)
+            self._check_strict_readback(summary, timer)
         except BaseException as exc:
-            if self._may_have_written:  # the engine may hold anything: the next delta install sends everything
+            if timer.may_have_written:  # the engine may hold anything: the next delta install sends everything
                 self._delta.base = None
             if not isinstance(exc, Exception):  # KeyboardInterrupt & co.: recover if needed, keep the interrupt
-                if self._may_have_written:
+                if timer.may_have_written:
                     with best_effort("recover after an interrupted write"):
                         self._recover()
                     self._refuse_serving(manifest)
                 raise
             what = _described(exc)
-            if not self._may_have_written:
+            if not timer.may_have_written:
                 if isinstance(exc, HotWeightsError) and not (isinstance(exc, InstallError) and exc.origin):
                     raise  # hotweights' own (also from an engine's process, decoded): as it is
                 raise InstallError(
@@ -321,7 +328,7 @@ class WeightInstallAdapter(ABC):
                 f"{what}. Some layers may hold new weights; {cleared}. Install a full update "
                 f"again before serving.{closed}"
             ) from exc
-        path, self._path = self._path, None
+        path = timer.path
         family_check = self._check_family(manifest, family, probe, timer)
         previous = self.active_weight_version
         nbytes = sum(manifest.tensors[n].expected_nbytes for n in item_names(send))
@@ -360,9 +367,9 @@ class WeightInstallAdapter(ABC):
             digests_verified=int(summary.get("digests_verified", 0)),
             install_method=path[0] if path else None,
             install_reason=path[1] if path else None,
-            readback_verified=int(summary.get("readback_verified", 0)) if self._verify_now else None,
-            readback_unreadable=int(summary.get("readback_unreadable", 0)) if self._verify_now else None,
-            readback_note=self._readback_note(summary) if self._verify_now else None,
+            readback_verified=int(summary.get("readback_verified", 0)) if timer.verify else None,
+            readback_unreadable=int(summary.get("readback_unreadable", 0)) if timer.verify else None,
+            readback_note=self._readback_note(summary) if timer.verify else None,
             phases=timer.phases,
             bytes_sent=delta[0].bytes_sent if delta is not None else nbytes,
             cast_tensors=send.cast_tensors if isinstance(send, CastItems) else 0,
@@ -457,7 +464,7 @@ class WeightInstallAdapter(ABC):
 
     # ------------------------------------------------------------------ hooks
     @abstractmethod
-    def _install(self, manifest: WeightUpdateManifest, items: Items, timer: PhaseTimer) -> dict[str, int] | None:
+    def _install(self, manifest: WeightUpdateManifest, items: Items, timer: InstallCall) -> dict[str, int] | None:
         """Write validated tensors into the engine; time sub-phases with ``timer``.
 
         Call :meth:`_begin_writing` right before the first step that can change live weights: it takes the serving
@@ -465,9 +472,10 @@ class WeightInstallAdapter(ABC):
         (``digests_verified``).
         """
 
-    def _check_strict_readback(self, summary: dict[str, Any]) -> None:
+    @staticmethod
+    def _check_strict_readback(summary: dict[str, Any], call: InstallCall) -> None:
         unreadable = int(summary.get("readback_unreadable", 0))
-        if self._verify_now and self._verify_strict and unreadable:
+        if call.verify and call.strict and unreadable:
             why = summary.get("readback_note") or "their parameters hold no data to read"
             raise ValueError(
                 f'verify="strict": {unreadable} tensor(s) could not be read back ({why}), so the install is not '
@@ -495,17 +503,18 @@ class WeightInstallAdapter(ABC):
             )
         return wanted
 
-    def _ran(self, method: str, reason: str) -> None:
+    @staticmethod
+    def _ran(timer: InstallCall, method: str, reason: str) -> None:
         """Called by an adapter's :meth:`_install`: which install path ran (e.g. ``"direct"``) and why, for the
         report (``install_method``, ``install_reason``)."""
-        self._path = (method, reason)
+        timer.path = (method, reason)
 
     def _delta_refusal(self) -> str | None:
         """Why this adapter cannot install deltas now (None: it can)."""
         return f"the {self.label} adapter does not install deltas"
 
     def _install_delta(
-        self, manifest: WeightUpdateManifest, delta: EncodedDelta, staged: StagedDelta, timer: PhaseTimer
+        self, manifest: WeightUpdateManifest, delta: EncodedDelta, staged: StagedDelta, timer: InstallCall
     ) -> dict[str, int] | None:
         """Install a checked delta: ``delta`` is what to send, ``staged`` the same delta applied to this adapter's
         host copy (its ``items``: what to reinstall). Call :meth:`_begin_writing` as :meth:`_install` does."""

@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING, Any
 
 from hotweights.adapters._vllm import SessionAdapterOptions, VLLMSessionAdapter
 from hotweights.adapters._wires import TransferAPIWire
+from hotweights.adapters.base import InstallCall
 from hotweights.core.errors import EngineNotSupportedError
 from hotweights.core.manifest import WeightUpdateManifest
 from hotweights.engine.vllm_plugin import BACKEND
@@ -57,7 +58,9 @@ class VLLMWeightTransferAdapter(VLLMSessionAdapter):
             )
         super().__init__(engine, wire=TransferAPIWire, transport=transport, **options)
 
-    def _summary(self, summaries: list[dict[str, Any]], sent: WeightUpdateManifest | None) -> dict[str, Any]:
+    def _summary(
+        self, summaries: list[dict[str, Any]], sent: WeightUpdateManifest | None, timer: InstallCall
+    ) -> dict[str, Any]:
         return {"digests_verified": sum(s.digest is not None for s in sent.tensors.values()) if sent else 0}
 
     def _delta_refusal(self) -> str | None:

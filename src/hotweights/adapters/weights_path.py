@@ -16,12 +16,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from hotweights.adapters._vllm import EngineOptions, VLLMEngineAdapter
-from hotweights.adapters.base import Items
+from hotweights.adapters.base import InstallCall, Items
 from hotweights.core import two_phase
 from hotweights.core.cast import CastItems
 from hotweights.core.errors import EngineNotSupportedError
 from hotweights.core.manifest import _ST_DTYPES, WeightUpdateManifest, dtype_from_str
-from hotweights.core.report import PhaseTimer
 from hotweights.engine import compat
 from hotweights.transports.shm import SHM_DIR, sweep_stale
 
@@ -71,7 +70,7 @@ class VLLMWeightsPathAdapter(VLLMEngineAdapter):
     def stages_apart(self) -> bool:
         return True  # the checkpoint is written aside; the engine reloads it after the commit point
 
-    def _install(self, manifest: WeightUpdateManifest, items: Items, timer: PhaseTimer) -> dict[str, int]:
+    def _install(self, manifest: WeightUpdateManifest, items: Items, timer: InstallCall) -> dict[str, int]:
         self._refuse_unmended()
         directory = Path(tempfile.mkdtemp(prefix=f"hotweights-{os.getpid()}-ckpt-", dir=SHM_DIR))
         try:
