@@ -166,6 +166,22 @@ CONTRACT: tuple[Entry, ...] = (
     _e(_ENGINE, "LLMEngine.is_sleeping", "method", "compat.is_sleeping", "coarse sleep report", optional=True),
     _e(_ENGINE, "LLMEngine.add_request", "method", "compat._gate_requests", "wrapped: a hand-added request is gated"),
     _e(_ENGINE, "LLMEngine.step", "method", "compat._gate_requests", "wrapped: releases a hand-driven hold"),
+    # --- LoRA adapters alone (hotweights.install_lora)
+    _e(
+        _ENGINE,
+        "LLMEngine.add_lora",
+        "method",
+        "handles.llm.LLMHandle.add_lora",
+        "loads an adapter",
+        args=("lora_request",),
+    ),
+    _e(_ASYNC, "AsyncLLM.add_lora", "method", "handles.async_llm.AsyncLLMHandle.add_lora", "", args=("lora_request",)),
+    *(
+        _e("vllm.lora.request", f"LoRARequest.{a}", "attribute", "compat.lora_request", "built by hotweights")
+        for a in ("lora_name", "lora_int_id", "lora_path", "load_inplace")
+    ),
+    _e(_VLLM_CONFIG, "VllmConfig.lora_config", "attribute", "compat.max_lora_rank", "None without enable_lora"),
+    _e("vllm.config.lora", "LoRAConfig.max_lora_rank", "attribute", "compat.max_lora_rank", "ranks the engine takes"),
     _e(
         _ENGINE,
         "LLMEngine.set_weight_version",

@@ -1,12 +1,12 @@
 """hotweights: install fresh weights into a running vLLM engine — validated, versioned, fast.
 
-The top level holds the verbs (``install``, ``install_async``, ``connect``, ``adapter_for``, ``detach``,
-``weight_version_of``, ``weight_versions_of``), ``Fleet`` (one install into many replicas:
+The top level holds the verbs (``install``, ``install_async``, ``install_lora``, ``connect``, ``adapter_for``,
+``detach``, ``weight_version_of``, ``weight_versions_of``), ``Fleet`` (one install into many replicas:
 :mod:`hotweights.fleet`), the types a caller handles (manifests, specs, layouts, reports, ``WORKER_EXTENSION``) and
-every error. The rest lives in its
-submodule: adapter classes in :mod:`hotweights.adapters`, engine handles in :mod:`hotweights.handles`, transports
-in :mod:`hotweights.transports`, ``WeightVersions`` in :mod:`hotweights.versions`. The former top-level spellings
-of those (``hotweights.VLLMMultiprocessAdapter``, ...) still resolve, to the same objects.
+every error. The rest lives in its submodule: adapter classes in :mod:`hotweights.adapters`, engine handles in
+:mod:`hotweights.handles`, transports in :mod:`hotweights.transports`, ``WeightVersions`` in
+:mod:`hotweights.versions`. The former top-level spellings of those (``hotweights.VLLMMultiprocessAdapter``, ...)
+still resolve, to the same objects.
 
 Example:
     >>> import hotweights                                                            # doctest: +SKIP
@@ -17,6 +17,7 @@ from typing import Any as _Any
 
 from hotweights import adapters as _adapters
 from hotweights._install import adapter_for, detach, install, install_async
+from hotweights._lora import install_lora, install_lora_async, lora_request
 from hotweights.core.errors import (
     DeltaBaseMismatchError,
     EngineDiedError,
@@ -76,6 +77,9 @@ __all__ = [
     "detach",
     "install",
     "install_async",
+    "install_lora",
+    "install_lora_async",
+    "lora_request",
     "weight_version_of",
     "weight_versions_of",
 ]

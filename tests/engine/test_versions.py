@@ -56,7 +56,6 @@ def test_the_engine_holds_the_version_across_adapters_and_trainer_restarts(
     """Issue 17: versions were per adapter, so a second adapter (or a restarted trainer) accepted any version."""
     from hotweights import StaleWeightVersionError
     from hotweights.adapters import VLLMDirectSetterAdapter, VLLMInProcessWeightReloadAdapter
-    from hotweights.handles import _ATTR
 
     a, b = checkpoint(VARIANT, 1), checkpoint(VARIANT, 2)
     llm = start_engine(a.path)
@@ -66,7 +65,7 @@ def test_the_engine_holds_the_version_across_adapters_and_trainer_restarts(
             assert adapter.active_weight_version == 5  # one version line per engine
             with pytest.raises(StaleWeightVersionError):
                 hotweights.install(llm, a.state_dict(), weight_version=4, adapter=adapter)
-        delattr(llm, _ATTR)  # a restarted trainer: nothing of hotweights' state survives but the engine's record
+        hotweights.detach(llm)  # a restarted trainer: nothing of hotweights' state survives but the engine's record
         with pytest.raises(StaleWeightVersionError):
             hotweights.install(llm, a.state_dict(), weight_version=5)
         assert [list(o.outputs[0].token_ids) for o in _generate(llm)] == b.fresh  # nothing was written

@@ -38,7 +38,9 @@ __all__ = [
     "has_unfinished_requests",
     "inprocess_model",
     "is_sleeping",
+    "lora_request",
     "mark_weight_update",
+    "max_lora_rank",
     "num_workers",
     "on_shutdown",
     "prompt_logprobs",
@@ -286,6 +288,20 @@ def engine_dtype(llm: Any) -> torch.dtype:
 def engine_model_config(llm: Any) -> Any:
     """vLLM's ``ModelConfig`` of the engine (``model``, ``revision``, ``dtype``, ``hf_text_config``)."""
     return _model_config(llm)
+
+
+def max_lora_rank(llm: Any) -> int | None:
+    """The engine's ``max_lora_rank``; None when it was started without ``enable_lora=True``."""
+    config = getattr(getattr(_llm_engine(llm), "vllm_config", None), "lora_config", None)
+    return int(config.max_lora_rank) if config is not None else None
+
+
+def lora_request(name: str, lora_id: int, path: str, *, replace: bool = False) -> Any:
+    """vLLM's ``LoRARequest`` for the adapter saved in ``path``; ``replace``: load it even where an adapter of that
+    id is loaded already (``load_inplace``), which vLLM does new-first: a failed load keeps the old one."""
+    from vllm.lora.request import LoRARequest
+
+    return LoRARequest(name, lora_id, path, load_inplace=replace)
 
 
 def engine_load_config(llm: Any) -> Any:

@@ -133,6 +133,13 @@ class AsyncLLMHandle(EngineHandle):
     def engine_dtype(self) -> Any:
         return compat.engine_dtype(self.engine)
 
+    def max_lora_rank(self) -> int | None:
+        return compat.max_lora_rank(self.engine)
+
+    def add_lora(self, name: str, lora_id: int, path: str) -> None:
+        request = compat.lora_request(name, lora_id, path, replace=True)
+        self.run(self.engine.add_lora(request), SHORT_TIMEOUT, "add_lora")
+
     def describe(self) -> str:
         ranks = len(compat.dp_engines(self.engine))
         dp = f", {ranks} data-parallel ranks" if ranks else ""

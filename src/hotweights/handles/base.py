@@ -250,6 +250,17 @@ class EngineHandle(ABC):
         """The transformers config of the engine's model, or None where it cannot be read from here."""
         return None
 
+    def max_lora_rank(self) -> int | None:
+        """The largest LoRA rank the engine takes; None where it was started without LoRA (``enable_lora``)."""
+        return None
+
+    def add_lora(self, name: str, lora_id: int, path: str) -> None:
+        """Load the LoRA adapter saved in ``path`` as ``name`` (id ``lora_id``), replacing the one of that id: vLLM
+        loads the new one first and keeps the old one if that fails."""
+        from hotweights.core.errors import EngineNotSupportedError
+
+        raise EngineNotSupportedError(f"{self.describe()}: hotweights cannot install LoRA adapters here")
+
     def engine_dtype(self) -> Any:
         """The dtype the engine keeps its weights in (``torch.float32`` where it cannot be read)."""
         import torch

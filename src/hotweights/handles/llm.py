@@ -94,6 +94,12 @@ class LLMHandle(EngineHandle):
     def engine_dtype(self) -> Any:
         return compat.engine_dtype(self.llm)
 
+    def max_lora_rank(self) -> int | None:
+        return compat.max_lora_rank(self.llm)
+
+    def add_lora(self, name: str, lora_id: int, path: str) -> None:
+        self.llm.llm_engine.add_lora(compat.lora_request(name, lora_id, path, replace=True))
+
     def vllm_fixes(self) -> tuple[str, ...] | None:
         if self.inprocess:  # the workers are this process
             return compat.apply_vllm_fixes()

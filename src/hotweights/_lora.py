@@ -1,0 +1,233 @@
+"""``hotweights.install_lora``: a LoRA adapter alone into an engine started with ``enable_lora=True``.
+
+An RL run that trains only a LoRA adapter sends the adapter, not a merged model: the base weights never move. The
+adapter is checked against the base checkpoint the engine serves (every module's A and B, ranks, shapes, the
+engine's ``max_lora_rank``) before anything is written, saved as PEFT saves it in a private directory in
+``/dev/shm``, and loaded by vLLM under the engine's gate, replacing the previous version of the same name (vLLM loads
+the new one first and keeps the old one if that fails); then the prefix cache is reset (vLLM 0.32 hashes an adapter's
+name and path into its cached blocks, and each version has a path of its own; the reset also covers a vLLM that keys
+them by name or id alone). Generation asks for it with :func:`lora_request`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import tempfile
+import time
+import uuid
+from collections.abc import Mapping
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from hotweights.core.errors import (
+    EngineNotSupportedError,
+    HotWeightsError,
+    InstallError,
+    Mismatch,
+    StaleWeightVersionError,
+    WeightManifestValidationError,
+)
+from hotweights.core.lora import adapter_config, lora_items, lora_mismatches
+from hotweights.core.manifest import TensorsLike
+from hotweights.core.report import InstallReport, PhaseTimer
+from hotweights.engine import compat
+from hotweights.handles import EngineHandle, PauseMode, as_engine
+from hotweights.telemetry import log_report
+from hotweights.transports.shm import SHM_DIR
+
+__all__ = ["install_lora", "install_lora_async", "lora_request"]
+
+#: The handle's shared state: name -> :class:`_Slot`.
+_SLOTS = "_hotweights_lora_slots"
+
+
+@dataclass(frozen=True)
+class _Slot:
+    lora_id: int
+    version: int
+    path: str
+
+
+def _slots(handle: EngineHandle) -> dict[str, _Slot]:
+    slots: dict[str, _Slot] = handle.shared(_SLOTS, dict)
+    return slots
+
+
+def install_lora(
+    engine: Any,
+    tensors: TensorsLike,
+    *,
+    name: str,
+    weight_version: int,
+    config: Any = None,
+    pause: PauseMode = "wait",
+    force: bool = False,
+    timeout: float | None = 600.0,
+) -> InstallReport:
+    """Install the LoRA adapter ``tensors`` into ``engine`` as ``name``, version ``weight_version``.
+
+    Args:
+        engine: a ``vllm.LLM`` (in-process or multiprocess) started with ``enable_lora=True`` and a
+            ``max_lora_rank`` at least the adapter's rank. An ``AsyncLLM`` goes through :func:`install_lora_async`.
+        tensors: the adapter's weights: ``peft.get_peft_model_state_dict(model)``, or the ``lora_A`` / ``lora_B``
+            entries of a PEFT model's ``state_dict()`` (other entries are refused, naming them).
+        name: the adapter's name; generation uses it through ``lora_request=hotweights.lora_request(engine, name)``.
+        config: the adapter's PEFT ``LoraConfig`` (or its dict: ``lora_alpha`` scales the adapter, so pass it);
+            ``r`` and ``target_modules`` default to what the tensors say.
+        pause: what happens to requests in flight (see :func:`hotweights.install`); a ``vllm.LLM`` waits for running
+            generation calls, so no output mixes two versions of the adapter.
+        force: accept a ``weight_version`` not newer than the adapter's current one.
+
+    Returns:
+        The report (``adapter="lora"``, ``previous_version``: the adapter's, None for its first install).
+
+    Raises:
+        WeightManifestValidationError: the adapter does not fit the base model or the engine (every mismatch
+            listed); nothing was written, the previous version keeps serving.
+        StaleWeightVersionError: ``weight_version`` is not newer than the adapter's current one.
+        EngineNotSupportedError: the engine was started without LoRA, or cannot load adapters from here.
+        InstallError: vLLM refused the adapter while loading it; the previous version keeps serving.
+
+    Example:
+        >>> report = hotweights.install_lora(llm, get_peft_model_state_dict(model), name="policy",  # doctest: +SKIP
+        ...                                  weight_version=step, config=model.peft_config["default"])
+        >>> llm.generate(prompts, sp, lora_request=hotweights.lora_request(llm, "policy"))       # doctest: +SKIP
+    """
+    handle = as_engine(engine)
+    if handle.kind == "async_llm":
+        raise EngineNotSupportedError(
+            "this is an AsyncLLM: install its adapter from async code with "
+            "`await hotweights.install_lora_async(engine, tensors, name=..., weight_version=step)`"
+        )
+    return _install_lora(handle, tensors, name, weight_version, config, pause, force, timeout)
+
+
+async def install_lora_async(
+    engine: Any,
+    tensors: TensorsLike,
+    *,
+    name: str,
+    weight_version: int,
+    config: Any = None,
+    pause: PauseMode = "wait",
+    force: bool = False,
+    timeout: float | None = 600.0,
+) -> InstallReport:
+    """:func:`install_lora` for async code, and for an ``AsyncLLM`` (await it on the loop the engine runs on)."""
+    handle = as_engine(engine)
+    if handle.kind == "async_llm":
+        from hotweights.handles.async_llm import AsyncLLMHandle
+
+        assert isinstance(handle, AsyncLLMHandle)
+        handle.bind(asyncio.get_running_loop(), pause)
+    args = (handle, tensors, name, weight_version, config, pause, force, timeout)
+    return await asyncio.to_thread(_install_lora, *args)
+
+
+def lora_request(engine: Any, name: str) -> Any:
+    """vLLM's ``LoRARequest`` for the adapter last installed as ``name`` (pass it as ``lora_request=`` to
+    ``generate``); :class:`HotWeightsError` when none was installed into this engine under that name."""
+    slot = _slots(as_engine(engine)).get(name)
+    if slot is None:
+        raise HotWeightsError(f"no LoRA adapter {name!r} was installed into this engine; install_lora it first")
+    return compat.lora_request(name, slot.lora_id, slot.path)
+
+
+def _install_lora(
+    handle: EngineHandle,
+    tensors: TensorsLike,
+    name: str,
+    weight_version: int,
+    config: Any,
+    pause: PauseMode,
+    force: bool,
+    timeout: float | None,
+) -> InstallReport:
+    max_rank = handle.max_lora_rank()
+    if max_rank is None:
+        raise EngineNotSupportedError(
+            f"{handle.describe()} was started without LoRA; start it with enable_lora=True and max_lora_rank at "
+            "least the adapter's rank (or install the merged model with hotweights.install)"
+        )
+    handle.check_pause_mode(pause)
+    timer = PhaseTimer()
+    with timer("validate"):
+        items, problems = lora_items(tensors)
+        if not items and not problems:
+            problems.append(Mismatch("missing", "<module>.lora_A.weight", "the adapter's A and B weights", "none"))
+        problems += lora_mismatches(items, handle.expected_weights(), max_rank)
+        if problems:
+            raise WeightManifestValidationError(problems, context=f"LoRA adapter {name!r}")
+        files = adapter_config(config, items)
+    with handle.installing(pause, timeout):
+        slots = _slots(handle)
+        slot = slots.get(name)
+        if slot is not None and weight_version <= slot.version and not force:
+            raise StaleWeightVersionError(weight_version, slot.version)
+        lora_id = slot.lora_id if slot is not None else 1 + max((s.lora_id for s in slots.values()), default=0)
+        directory = Path(tempfile.mkdtemp(prefix=f"hotweights-{os.getpid()}-lora-", dir=SHM_DIR))
+        try:
+            with timer("pack"):
+                save_file(_host(items), str(directory / "adapter_model.safetensors"))
+                (directory / "adapter_config.json").write_text(json.dumps(files))
+            with ExitStack() as held:  # generation waits from here to the reset
+                with timer("wait_generation"):
+                    held.enter_context(handle.gate.installing(timeout))
+                start = time.perf_counter()
+                with timer("install"):
+                    _load(handle, name, lora_id, directory, slot)
+                with timer("reset_prefix_cache"):  # no block cached with the old version may serve the new one
+                    reset = handle.reset_prefix_cache()
+            stall = time.perf_counter() - start
+        except BaseException:
+            shutil.rmtree(directory, ignore_errors=True)
+            raise
+        if not slots:
+            handle.on_shutdown(lambda: _remove(slots))
+        slots[name] = _Slot(lora_id, weight_version, str(directory))
+    if slot is not None:
+        shutil.rmtree(slot.path, ignore_errors=True)  # vLLM holds the new version in memory and reads this one no more
+    return log_report(
+        InstallReport(
+            update_id=uuid.uuid4().hex,
+            weight_version=weight_version,
+            previous_version=slot.version if slot is not None else None,
+            adapter="lora",
+            num_tensors=len(items),
+            num_bytes=sum(t.numel() * t.element_size() for t in items.values()),
+            prefix_cache_reset=reset,
+            phases=timer.phases,
+            stall_s=stall,
+        )
+    )
+
+
+def _load(handle: EngineHandle, name: str, lora_id: int, directory: Path, slot: _Slot | None) -> None:
+    try:
+        handle.add_lora(name, lora_id, str(directory))
+    except HotWeightsError:
+        raise
+    except Exception as exc:
+        serving = f"v{slot.version}" if slot is not None else "no adapter"
+        raise InstallError(
+            f"vLLM refused LoRA adapter {name!r}: {type(exc).__name__}: {exc}. It loads the new adapter before it "
+            f"drops the old one, so {name!r} still serves {serving}. Fix the adapter (or the engine's LoRA settings) "
+            "and install again."
+        ) from exc
+
+
+def _remove(slots: dict[str, _Slot]) -> None:
+    for slot in slots.values():
+        shutil.rmtree(slot.path, ignore_errors=True)
+
+
+def _host(items: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {n: t.detach().to("cpu").contiguous() for n, t in items.items()}
