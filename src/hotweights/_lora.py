@@ -18,15 +18,12 @@ import shutil
 import tempfile
 import time
 import uuid
-from collections.abc import Mapping
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-from safetensors.torch import save_file
-
+from hotweights.adapters.weights_path import _write_safetensors
 from hotweights.core.errors import (
     EngineNotSupportedError,
     HotWeightsError,
@@ -176,7 +173,7 @@ def _install_lora(
         directory = Path(tempfile.mkdtemp(prefix=f"hotweights-{os.getpid()}-lora-", dir=SHM_DIR))
         try:
             with timer("pack"):
-                save_file(_host(items), str(directory / "adapter_model.safetensors"))
+                _write_safetensors(directory / "adapter_model.safetensors", list(items.items()))
                 (directory / "adapter_config.json").write_text(json.dumps(files))
             with ExitStack() as held:  # generation waits from here to the reset
                 with timer("wait_generation"):
@@ -227,7 +224,3 @@ def _load(handle: EngineHandle, name: str, lora_id: int, directory: Path, slot: 
 def _remove(slots: dict[str, _Slot]) -> None:
     for slot in slots.values():
         shutil.rmtree(slot.path, ignore_errors=True)
-
-
-def _host(items: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    return {n: t.detach().to("cpu").contiguous() for n, t in items.items()}

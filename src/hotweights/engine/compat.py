@@ -629,30 +629,28 @@ def _gate_requests(llm: Any, gate: ServingGate) -> None:
 
         return add_request
 
-    def released_step(step: Any) -> Any:
-        @functools.wraps(step)
-        def step_engine(*args: Any, **kwargs: Any) -> Any:
-            try:
-                return step(*args, **kwargs)
-            finally:
-                release_if_idle()
+    def then(after: Callable[[], None]) -> Callable[[Any], Any]:
+        """A wrap that runs ``after()`` once the wrapped call returned or raised."""
 
-        return step_engine
+        def wrap(method: Any) -> Any:
+            @functools.wraps(method)
+            def call(*args: Any, **kwargs: Any) -> Any:
+                try:
+                    return method(*args, **kwargs)
+                finally:
+                    after()
 
-    def released_run(run: Any) -> Any:
-        @functools.wraps(run)
-        def run_engine(*args: Any, **kwargs: Any) -> Any:
-            try:
-                return run(*args, **kwargs)
-            finally:
-                gate.leave()
-                release_if_idle()
+            return call
 
-        return run_engine
+        return wrap
+
+    def leave_then_release() -> None:
+        gate.leave()
+        release_if_idle()
 
     attach.patch(llm, engine, "add_request", gated_add)
-    attach.patch(llm, engine, "step", released_step)
-    attach.patch(llm, llm, "_run_engine", released_run)
+    attach.patch(llm, engine, "step", then(release_if_idle))
+    attach.patch(llm, llm, "_run_engine", then(leave_then_release))
 
 
 # ------------------------------------------------------------------------------------------- fixes inside vLLM

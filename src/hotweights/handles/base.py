@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, ClassVar, Literal
 
+from hotweights.core import attach
 from hotweights.core.active import ActiveVersion
 from hotweights.core.delta import DeltaState
 from hotweights.core.errors import HotWeightsTimeoutError
@@ -45,7 +46,6 @@ weights after the install, so one response can mix two versions: only for off-po
 """
 
 
-_VERSION_LOCK = threading.Lock()
 #: Seconds for the small worker calls that tell a paused engine from a sleeping one.
 PAUSE_CALL_TIMEOUT = 30.0
 log = logging.getLogger("hotweights")
@@ -77,13 +77,7 @@ class EngineHandle(ABC):
     def shared(self, name: str, make: Callable[[], Any]) -> Any:
         """This engine's ``name`` (state every adapter and install on it shares), made by ``make()`` once, also when
         two threads ask first together."""
-        value = self.__dict__.get(name)
-        if value is None:
-            with _VERSION_LOCK:  # held only to make it, never across I/O
-                value = self.__dict__.get(name)
-                if value is None:
-                    value = self.__dict__[name] = make()
-        return value
+        return attach.value(self, name, make)  # the lock is held only to make it, never across I/O
 
     def check_pause_mode(self, mode: PauseMode) -> None:
         """ValueError for a pause mode this engine kind cannot honour."""
