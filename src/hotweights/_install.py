@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal, TypedDict
 
 from hotweights._family import check_family
@@ -14,13 +15,19 @@ from hotweights.adapters.multiprocess import VLLMMultiprocessAdapter
 from hotweights.adapters.native import VLLMWeightTransferAdapter
 from hotweights.adapters.weights_path import VLLMWeightsPathAdapter
 from hotweights.core import attach
-from hotweights.core.cast import Cast
-from hotweights.core.errors import EngineNotSupportedError
+from hotweights.core.cast import Cast, CastItems
+from hotweights.core.errors import (
+    EngineNotSupportedError,
+    Mismatch,
+    UnsupportedLayoutError,
+    WeightManifestValidationError,
+)
 from hotweights.core.families import Unproven
 from hotweights.core.layout import WeightLayout
-from hotweights.core.manifest import MetadataValue, TensorsLike, WeightUpdateManifest, _as_items
+from hotweights.core.manifest import MetadataValue, TensorsLike, TensorSpec, WeightUpdateManifest, _as_items
 from hotweights.core.names import to_checkpoint
 from hotweights.core.report import InstallReport
+from hotweights.core.sharded import Gatherer, agree, follow, is_sharded
 from hotweights.engine import compat
 from hotweights.engine.vllm_plugin import BACKEND
 from hotweights.handles import EngineHandle, PauseMode, as_engine
@@ -114,6 +121,7 @@ class InstallOptions(TypedDict, total=False):
     verify: bool | Literal["strict"] | None
     cast: Cast | None
     unproven: Unproven | None
+    group: Any
 
 
 def install(
@@ -133,7 +141,14 @@ def install(
 
     Args:
         engine: a ``vllm.LLM`` (in-process or multiprocess, any tensor-parallel size, with or without hotweights'
-            worker extension) or an engine handle. An ``AsyncLLM`` goes through :func:`install_async`.
+            worker extension) or an engine handle. An ``AsyncLLM`` goes through :func:`install_async`. None on the
+            other ranks of a sharded install (below).
+        tensors: a mapping or ``(name, tensor)`` pairs. ``DTensor`` values (FSDP2's ``model.state_dict()``) make
+            the call collective: every rank of ``group`` calls ``install`` with its own state dict, one of them
+            with the engine and the others with ``engine=None``; each tensor is gathered when the install sends it,
+            never the whole model at once, and every rank returns the same report or raises the same error (see
+            ``docs/trainers.md``).
+        group: the process group of a sharded install (default: the whole world).
         pause: what happens to requests in flight, for engines with a scheduler to pause (see
             :data:`~hotweights.handles.PauseMode`). A ``vllm.LLM`` always waits for running generation calls.
         adapter: install through this adapter (built on ``engine``, e.g. ``VLLMMultiprocessAdapter(engine,
@@ -180,13 +195,19 @@ def install(
         >>> report = hotweights.install(llm, model.state_dict(), weight_version=step)  # doctest: +SKIP
         >>> print(report)                                                               # doctest: +SKIP
     """
+    if engine is None or is_sharded(_as_items(tensors)):
+        return _install_sharded(engine, tensors, weight_version, **options)
+    return _install(_sync_handle(engine), tensors, weight_version, **options)
+
+
+def _sync_handle(engine: Any) -> EngineHandle:
     handle = as_engine(engine)
     if handle.kind == "async_llm":
         raise EngineNotSupportedError(
             "this is an AsyncLLM: its calls are awaited on its event loop, so install from async code with "
             "`report = await hotweights.install_async(engine, tensors, weight_version=step)`"
         )
-    return _install(handle, tensors, weight_version, **options)
+    return handle
 
 
 async def install_async(
@@ -205,13 +226,36 @@ async def install_async(
     Example:
         >>> report = await hotweights.install_async(engine, model.state_dict(), weight_version=step)  # doctest: +SKIP
     """
-    handle = as_engine(engine)
-    if handle.kind == "async_llm":
+    handle = None if engine is None else as_engine(engine)
+    if handle is not None and handle.kind == "async_llm":
         from hotweights.handles.async_llm import AsyncLLMHandle
 
         assert isinstance(handle, AsyncLLMHandle)
         handle.bind(asyncio.get_running_loop(), options.get("pause", "wait"))
+    if handle is None or is_sharded(_as_items(tensors)):
+        return await asyncio.to_thread(_install_sharded, handle, tensors, weight_version, **options)
     return await asyncio.to_thread(_install, handle, tensors, weight_version, **options)
+
+
+def _install_sharded(
+    engine: Any, tensors: TensorsLike, weight_version: int, *, group: Any = None, **options: Any
+) -> InstallReport:
+    """One rank's part of a sharded install (:mod:`hotweights.core.sharded`): the rank with the engine leads and
+    installs, gathering each tensor when it is read; the others join the gathers and return its outcome."""
+    items = _as_items(tensors)
+    leader = agree(items, weight_version, engine is not None, group)
+    if engine is None:
+        return follow(items, leader, group)
+    gatherer = Gatherer(items, leader, group)
+    try:
+        handle = engine if isinstance(engine, EngineHandle) and engine.kind == "async_llm" else _sync_handle(engine)
+        report = _install(handle, items, weight_version, gatherer=gatherer, **options)
+    except BaseException as exc:
+        with contextlib.suppress(Exception):  # the group broke (maybe why it failed): the others fail on it too
+            gatherer.finish(exc)
+        raise
+    gatherer.finish(report)
+    return report
 
 
 def _install(
@@ -230,14 +274,21 @@ def _install(
     verify: bool | Literal["strict"] | None = None,
     cast: Cast | None = None,
     unproven: Unproven | None = None,
+    group: Any = None,
+    gatherer: Gatherer | None = None,
 ) -> InstallReport:
     if adapter is not None and getattr(adapter, "engine", handle) is not handle:
         raise ValueError("adapter= was built on another engine than the one passed to install; build it on this one")
+    if group is not None and gatherer is None:
+        raise ValueError("group= is for a sharded install (DTensor values, or engine=None on the other ranks)")
     handle.check_pause_mode(pause)
     chosen = adapter or adapter_for(handle)
-    items, manifest = update_for(
-        chosen, tensors, weight_version, update_id=update_id, layout=layout, metadata=metadata, digests=digests
-    )
+    fields: dict[str, Any] = {"update_id": update_id, "layout": layout, "metadata": metadata}
+    items: Sequence[tuple[str, torch.Tensor]]
+    if gatherer is None:
+        items, manifest = update_for(chosen, tensors, weight_version, digests=digests, **fields)
+    else:
+        items, manifest = _gathered_update(chosen, gatherer, weight_version, digests=digests, **fields)
     family = check_family(handle, items, unproven)
     with handle.installing(pause, chosen.lock_timeout):
         return chosen.install(manifest, items, force=force, delta=delta, verify=verify, cast=cast, family=family)
@@ -254,11 +305,53 @@ def update_for(
     digests: bool = False,
 ) -> tuple[list[tuple[str, torch.Tensor]], WeightUpdateManifest]:
     """The tensors under the names ``adapter``'s engine loads, and their manifest."""
-    items = _as_items(tensors)
-    expected = adapter.expected
-    if expected is not None:  # transformers 5's in-memory names (fused MoE experts, ...) -> the checkpoint's
-        items, _ = to_checkpoint(items, expected.tensors, expected.model_type, architectures=expected.architectures)
+    items = _checkpoint_names(adapter, _as_items(tensors))
     manifest = WeightUpdateManifest.from_state_dict(
         items, weight_version=weight_version, update_id=update_id, layout=layout, metadata=metadata, digests=digests
     )
-    return list(items), manifest
+    return items, manifest
+
+
+def _checkpoint_names(
+    adapter: WeightInstallAdapter, items: list[tuple[str, torch.Tensor]]
+) -> list[tuple[str, torch.Tensor]]:
+    """transformers 5's in-memory names (fused MoE experts, ...) -> the checkpoint's, for ``adapter``'s engine."""
+    expected = adapter.expected
+    if expected is None:
+        return items
+    out, _ = to_checkpoint(items, expected.tensors, expected.model_type, architectures=expected.architectures)
+    return list(out)
+
+
+def _gathered_update(
+    adapter: WeightInstallAdapter,
+    gatherer: Gatherer,
+    weight_version: int,
+    *,
+    digests: bool,
+    **fields: Any,
+) -> tuple[CastItems, WeightUpdateManifest]:
+    """:func:`update_for` on a sharded state dict: names, shapes and dtypes from the gatherer's placeholders, the
+    data gathered when the install reads it."""
+    if digests:
+        raise ValueError(
+            "digests=True hashes every tensor before sending, which would gather the whole sharded model first; "
+            "install without digests (the engine still checks names, shapes and dtypes). Nothing was written."
+        )
+    items = _checkpoint_names(adapter, gatherer.placeholders())
+    lost = gatherer.unresolved(items)
+    if lost:
+        raise UnsupportedLayoutError(
+            f"{len(lost)} tensor(s) of this model ({', '.join(lost[:3])}, ...) are converted to the engine's names "
+            "by a copy, not a view, which a sharded install cannot gather tensor by tensor; call full_tensor() on "
+            "each DTensor and install from one rank. Nothing was written."
+        )
+    names = [n for n, _ in items]
+    repeated = sorted({n for n in names if names.count(n) > 1})
+    if repeated:
+        raise WeightManifestValidationError(
+            [Mismatch("manifest", n, actual="name appears more than once") for n in repeated]
+        )
+    specs = {n: TensorSpec.of(t) for n, t in items}
+    manifest = WeightUpdateManifest.from_specs(specs, weight_version=weight_version, **fields)
+    return CastItems(items, {}, gatherer.load), manifest

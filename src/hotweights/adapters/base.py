@@ -211,7 +211,8 @@ class WeightInstallAdapter(ABC):
                     "verify=True and delta=True do not combine yet (a delta install reinstalls only the "
                     "touched blocks); nothing was written. Install with one of them."
                 )
-            return log_report(self._install_locked(call, manifest, _as_items(tensors), force, delta, cast, family))
+            items = tensors if isinstance(tensors, CastItems) else _as_items(tensors)  # lazy stays lazy
+            return log_report(self._install_locked(call, manifest, items, force, delta, cast, family))
         finally:
             self._lock.release()
 
@@ -244,6 +245,9 @@ class WeightInstallAdapter(ABC):
     def _cast(self, manifest: WeightUpdateManifest, items: Items, cast: Cast) -> tuple[WeightUpdateManifest, CastItems]:
         """Check ``items`` against the caller's ``manifest``, then both as the engine will receive them (cast
         lazily, see :mod:`hotweights.core.cast`)."""
+        if isinstance(items, CastItems):  # already lazy (a sharded state dict): its manifest was made of it
+            lazy = items.recast(cast_targets(manifest, cast, self.expected))
+            return lazy.manifest(manifest), lazy
         problems = manifest.mismatches(items)
         if not problems and manifest.has_digests:
             problems += manifest.digest_mismatches(items)

@@ -9,17 +9,20 @@ difference stays a refusal that names this opt-in.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Literal, overload
 
 import torch
 
 from hotweights.core.manifest import ExpectedWeights, TensorSpec, WeightUpdateManifest, dtype_to_str
 
-__all__ = ["Cast", "CastItems", "cast_targets", "item_names", "items_of", "lazy_mapping"]
+__all__ = ["Cast", "CastItems", "Load", "cast_targets", "item_names", "items_of", "lazy_mapping"]
 
 Cast = torch.dtype | Literal["engine"]
 """A dtype every floating-point tensor is cast to, or ``"engine"``: the dtype the engine expects for each."""
+
+Load = Callable[[str, torch.Tensor], torch.Tensor]
+"""``load(name, tensor)``: the data behind a placeholder (e.g. a sharded tensor gathered when read), or ``tensor``."""
 
 
 def cast_targets(
@@ -53,12 +56,20 @@ class CastItems(Sequence[tuple[str, torch.Tensor]]):
     """``(name, tensor)`` pairs whose tensors named in ``targets`` are cast when read, one at a time.
 
     Nothing is cast up front: code that reads a bucket's tensors casts that bucket only, and a cast copy lives as
-    long as its reader keeps it. :attr:`source` holds the caller's tensors.
+    long as its reader keeps it. :attr:`source` holds the caller's tensors. With ``load``, a read first turns the
+    source tensor into its data (:mod:`hotweights.core.sharded`: ``meta`` placeholders of a sharded state dict,
+    gathered when read); the source then only describes names, shapes and dtypes.
     """
 
-    def __init__(self, source: Sequence[tuple[str, torch.Tensor]], targets: Mapping[str, torch.dtype]) -> None:
+    def __init__(
+        self,
+        source: Sequence[tuple[str, torch.Tensor]],
+        targets: Mapping[str, torch.dtype],
+        load: Load | None = None,
+    ) -> None:
         self.source = list(source)
         self.targets = dict(targets)
+        self.load = load
 
     @overload
     def __getitem__(self, index: int) -> tuple[str, torch.Tensor]: ...
@@ -66,7 +77,7 @@ class CastItems(Sequence[tuple[str, torch.Tensor]]):
     def __getitem__(self, index: slice) -> CastItems: ...
     def __getitem__(self, index: int | slice) -> tuple[str, torch.Tensor] | CastItems:
         if isinstance(index, slice):
-            return CastItems(self.source[index], self.targets)
+            return CastItems(self.source[index], self.targets, self.load)
         name, tensor = self.source[index]
         return name, self._cast(name, tensor)
 
@@ -78,12 +89,18 @@ class CastItems(Sequence[tuple[str, torch.Tensor]]):
             yield name, self._cast(name, tensor)
 
     def _cast(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        if self.load is not None:
+            tensor = self.load(name, tensor)
         dtype = self.targets.get(name)
         return tensor if dtype is None else tensor.to(dtype)
 
     def without(self, names: Mapping[str, object]) -> CastItems:
         """The same pairs less those named in ``names``."""
-        return CastItems([(n, t) for n, t in self.source if n not in names], self.targets)
+        return CastItems([(n, t) for n, t in self.source if n not in names], self.targets, self.load)
+
+    def recast(self, targets: Mapping[str, torch.dtype]) -> CastItems:
+        """The same pairs (and loader), cast to ``targets`` instead."""
+        return CastItems(self.source, targets, self.load)
 
     def manifest(self, manifest: WeightUpdateManifest) -> WeightUpdateManifest:
         """``manifest`` as the engine receives it: cast tensors in their new dtype (digests of the cast bytes)."""
@@ -92,7 +109,7 @@ class CastItems(Sequence[tuple[str, torch.Tensor]]):
         for name, tensor in self.source:
             dtype = self.targets.get(name)
             if dtype is not None and digests:  # hashing needs the cast bytes: one tensor at a time
-                tensors[name] = TensorSpec.of(tensor.to(dtype), digest=True)
+                tensors[name] = TensorSpec.of(self._cast(name, tensor), digest=True)
             elif dtype is not None:
                 spec = TensorSpec.model_construct(
                     shape=tuple(tensor.shape), dtype=dtype_to_str(dtype), nbytes=tensor.numel() * dtype.itemsize

@@ -308,6 +308,19 @@ class WeightUpdateManifest(BaseModel):
         return cls._build(specs, weight_version, update_id, layout, metadata)
 
     @classmethod
+    def from_specs(
+        cls,
+        specs: Mapping[str, TensorSpec],
+        *,
+        weight_version: int,
+        update_id: str | None = None,
+        layout: WeightLayout | None = None,
+        metadata: Mapping[str, MetadataValue] | None = None,
+    ) -> WeightUpdateManifest:
+        """A manifest of tensors described by their specs alone (e.g. a sharded state dict's global shapes)."""
+        return cls._build(dict(specs), weight_version, update_id, layout, metadata)
+
+    @classmethod
     def from_module(
         cls, module: torch.nn.Module, *, weight_version: int, update_id: str | None = None, **kwargs: Any
     ) -> WeightUpdateManifest:

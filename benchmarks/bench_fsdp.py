@@ -1,0 +1,180 @@
+"""FSDP2, 2 ranks: a sharded install (each DTensor gathered when it is sent) against gather-then-send.
+
+Two gloo processes hold the 150m model (Qwen2, fp32, 612 MB) with ``fully_shard`` on CPU; rank 0 also runs a
+multiprocess ``vllm.LLM`` with hotweights' worker extension. Measured, per rank, medians over ``--repeats``:
+
+- ``sharded``: ``hotweights.install(llm or None, model.state_dict(), ...)`` on both ranks; the install time, and the
+  peak resident memory above the level before the call (sampled every 2 ms);
+- ``gather-then-send``: every rank gathers the full state dict (``full_tensor()``), then rank 0 installs it: the
+  gather time, the install time, and the same peak (the full copy counts: it is what that way costs).
+
+``python benchmarks/bench_fsdp.py`` (``--size tiny`` for a smoke run). Prints one JSON line per rank and a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+SIZES = {
+    "tiny": {},
+    "150m": {"hidden": 768, "layers": 12, "heads": 12, "kv_heads": 4, "intermediate": 3072, "vocab": 32000},
+}
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _peak_extra(fn: Callable[[], Any]) -> tuple[Any, float, int]:
+    """``fn()``, its seconds, and the most resident bytes above the level before it (sampled every 2 ms)."""
+    base, peak, done = _rss(), [0], threading.Event()
+
+    def sample() -> None:
+        while not done.is_set():
+            peak[0] = max(peak[0], _rss())
+            time.sleep(0.002)
+
+    watcher = threading.Thread(target=sample, daemon=True)
+    watcher.start()
+    start = time.perf_counter()
+    try:
+        out = fn()
+    finally:
+        elapsed = time.perf_counter() - start
+        done.set()
+        watcher.join()
+    return out, elapsed, max(0, max(peak[0], _rss()) - base)
+
+
+def rank_main(args: argparse.Namespace) -> None:
+    import torch.distributed as dist
+
+    import hotweights
+    from hotweights.testing import start_engine
+
+    rank = args.rank
+    llm = None
+    if rank == 0:
+        llm = start_engine(args.model, "float32", multiprocess=True, worker_extension_cls=hotweights.WORKER_EXTENSION)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{args.port}",
+        rank=rank,
+        world_size=2,
+        timeout=datetime.timedelta(seconds=600),
+    )
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
+    mesh = init_device_mesh("cpu", (2,))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    version = 1
+    hotweights.install(llm, model.state_dict(), weight_version=version)  # warm-up: segments, plans
+    rows: dict[str, list[float]] = {"sharded_s": [], "sharded_peak": [], "gather_s": [], "full_s": [], "full_peak": []}
+    report = None
+    for _ in range(args.repeats):
+        version += 1
+        dist.barrier()
+        report, seconds, peak = _peak_extra(
+            lambda v=version: hotweights.install(llm, model.state_dict(), weight_version=v)
+        )
+        rows["sharded_s"].append(seconds)
+        rows["sharded_peak"].append(peak)
+
+        version += 1
+        dist.barrier()
+
+        def gather_then_send(v: int = version) -> float:
+            start = time.perf_counter()
+            full = {k: t.full_tensor() for k, t in model.state_dict().items()}
+            gathered = time.perf_counter() - start
+            if llm is not None:
+                hotweights.install(llm, full, weight_version=v)
+            return gathered
+
+        gathered, seconds, peak = _peak_extra(gather_then_send)
+        rows["gather_s"].append(gathered)
+        rows["full_s"].append(seconds - gathered)
+        rows["full_peak"].append(peak)
+    out = {k: statistics.median(v) for k, v in rows.items()}
+    out["rank"] = rank
+    if llm is not None and report is not None:
+        out["model_bytes"] = report.num_bytes
+        out["adapter"] = report.adapter
+        out["bucket_bytes"] = hotweights.adapter_for(llm).bucket_size
+    print("RESULT " + json.dumps(out), flush=True)
+    dist.barrier()
+    if llm is not None:
+        llm.llm_engine.engine_core.shutdown()
+    os._exit(0)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--size", choices=sorted(SIZES), default="150m")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--rank", type=int)
+    parser.add_argument("--port", type=int)
+    parser.add_argument("--model")
+    args = parser.parse_args()
+    if args.rank is not None:
+        return rank_main(args)
+
+    from hotweights.testing import build_tiny_model
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = Path(tmp) / "model"
+        build_tiny_model("qwen2", seed=1, **SIZES[args.size]).save_pretrained(model_dir, safe_serialization=True)
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
+        procs = []
+        for r in range(2):
+            command = [sys.executable, __file__, "--rank", str(r), "--port", str(port), "--model", str(model_dir)]
+            command += ["--repeats", str(args.repeats)]
+            procs.append(
+                subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+            )
+        results = []
+        for proc in procs:
+            text, _ = proc.communicate(timeout=1800)
+            results += [json.loads(line[7:]) for line in text.splitlines() if line.startswith("RESULT ")]
+    mb = 1 / 2**20
+    for r in sorted(results, key=lambda r: r["rank"]):
+        print(json.dumps(r))
+    lead = next(r for r in results if r["rank"] == 0)
+    print(f"\nmodel {lead['model_bytes'] * mb:.0f} MiB, bucket {lead['bucket_bytes'] * mb:.0f} MiB ({lead['adapter']})")
+    print("rank | sharded install s | peak extra MiB | gather s | install of full s | gather-then-send peak MiB")
+    for r in sorted(results, key=lambda r: r["rank"]):
+        print(
+            f"{r['rank']:>4} | {r['sharded_s']:>17.3f} | {r['sharded_peak'] * mb:>14.0f} | {r['gather_s']:>8.3f} | "
+            f"{r['full_s']:>16.3f} | {r['full_peak'] * mb:>25.0f}"
+        )
+    ratio = lead["sharded_s"] / (lead["gather_s"] + lead["full_s"])
+    print(f"sharded / gather-then-send time: {ratio:.2f}x; sharded / install of full tensors: "
+          f"{lead['sharded_s'] / lead['full_s']:.2f}x")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,291 @@
+"""One install from every rank of a sharded trainer (FSDP2's ``DTensor`` state dicts), never a full model on one rank.
+
+Every rank calls ``hotweights.install`` with its own ``model.state_dict()``; the rank that passes an engine leads,
+the others pass ``engine=None``. The protocol, on one process group:
+
+1. :func:`agree`: every rank all-gathers a digest of its names, global shapes, dtypes and the version, and whether
+   it holds the engine. A difference, or not exactly one leader, is the same refusal on every rank, before anything
+   is gathered or written.
+2. The leader installs from :meth:`Gatherer.placeholders`: ``meta`` tensors of each ``DTensor``'s global shape, so
+   names, shapes and dtypes are validated against the engine without reading any data. A tensor is gathered when
+   the install reads it (:meth:`Gatherer.load`, bucket by bucket as the transport packs): the leader broadcasts
+   its index, then every rank joins the gather. An FSDP2 shard (dim 0, over the group's ranks) is gathered to the
+   leader alone (``dist.gather``), so the other ranks allocate nothing; any other layout through ``full_tensor()``.
+   The leader keeps the last gathered tensor (the checkpoint tensors a fused one is split into are read one after
+   another) and, while the transport packs it, already gathers the next one: two tensors at most.
+   Because the leader names each gather, the order never has to be agreed in advance, and a gather never
+   interleaves with another collective.
+3. :meth:`Gatherer.finish` / :func:`follow`: the leader broadcasts the end, then the report (JSON) or the error's
+   envelope; every rank returns the same report or raises the same typed error.
+
+Collectives use CPU tensors on a gloo group and the current CUDA device on an NCCL group. Nothing is pickled.
+Nothing here imports vLLM.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import json
+import threading
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from hotweights.core import envelope
+from hotweights.core.errors import HotWeightsError, InstallError, Mismatch, WeightManifestValidationError
+from hotweights.core.report import InstallReport
+
+__all__ = ["Gatherer", "agree", "follow", "is_sharded"]
+
+Items = Sequence[tuple[str, torch.Tensor]]
+
+_END = -1  # the leader's last command: the outcome follows
+_BUILTIN = {"ValueError": ValueError, "TypeError": TypeError}  # raised again as themselves on every rank
+
+
+def _dtensor() -> type[Any] | None:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a torch without DTensor
+        return None
+    return DTensor
+
+
+def is_sharded(items: Items) -> bool:
+    """Whether any value of ``items`` is a ``DTensor`` (a sharded trainer's state dict)."""
+    cls = _dtensor()
+    return cls is not None and any(isinstance(t, cls) for _, t in items)
+
+
+def _device(group: Any) -> torch.device:
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _fingerprint(items: Items, weight_version: int) -> bytes:
+    cls = _dtensor()
+    rows = [
+        [name, list(t.shape), str(t.dtype), repr(t.placements) if cls is not None and isinstance(t, cls) else None]
+        for name, t in items
+    ]
+    return hashlib.sha256(json.dumps([weight_version, rows]).encode()).digest()
+
+
+def _rows_per_rank(tensor: Any, group: Any) -> int | None:
+    """Rows of each rank's chunk when ``tensor`` is sharded on dim 0 over exactly ``group``'s ranks in order (FSDP2's
+    layout): then the leader gathers the chunks alone. None: any other layout, gathered with ``full_tensor()``."""
+    mesh, placements = tensor.device_mesh, tensor.placements
+    world = dist.get_world_size(group)
+    ranks = [dist.get_global_rank(group, i) for i in range(world)] if group is not None else list(range(world))
+    if mesh.ndim != 1 or mesh.mesh.flatten().tolist() != ranks or len(placements) != 1:
+        return None
+    if not placements[0].is_shard(dim=0) or tensor.dim() == 0:
+        return None
+    rows: int = tensor.shape[0]
+    return -(-rows // world)  # torch.chunk's chunk size, which Shard(0) and FSDP2 follow
+
+
+class _Posted(NamedTuple):
+    """A gather the leader started: the tensor it fills (ready once ``work`` is done; None: already ready)."""
+
+    source: int
+    full: torch.Tensor
+    work: Any
+    local: torch.Tensor | None  # this rank's padded chunk, kept alive until the gather is done
+
+    def result(self) -> torch.Tensor:
+        if self.work is not None:
+            self.work.wait()
+        return self.full
+
+
+def _gather(tensor: Any, dst: int, group: Any, index: int = -1, *, leads: bool) -> _Posted | None:
+    """Start gathering ``tensor``'s full value on the leader (returned there, None elsewhere). A dim-0 shard goes to
+    the leader alone, asynchronously, into one buffer whose first rows are the tensor (the other ranks allocate
+    nothing and wait for their send); any other layout: ``full_tensor()``, at once."""
+    chunk = _rows_per_rank(tensor, group)
+    if chunk is None:
+        full = tensor.full_tensor()
+        return _Posted(index, full.contiguous(), None, None) if leads else None
+    local = tensor.to_local().contiguous()
+    if local.shape[0] < chunk:  # the last ranks' chunks are shorter (or empty): pad to the common size
+        local = torch.cat([local, local.new_zeros((chunk - local.shape[0], *local.shape[1:]))])
+    if not leads:
+        dist.gather(local, None, dst=dst, group=group)
+        return None
+    world = dist.get_world_size(group)
+    buffer = torch.empty((world * chunk, *tensor.shape[1:]), dtype=tensor.dtype, device=local.device)
+    work = dist.gather(local, list(torch.split(buffer, chunk)), dst=dst, group=group, async_op=True)
+    return _Posted(index, buffer[: tensor.shape[0]], work, local)  # torch.chunk fills the first ranks first
+
+
+def agree(items: Items, weight_version: int, leads: bool, group: Any = None) -> int:
+    """Check, on every rank at once, that all hold the same names, shapes and dtypes and the same version, and that
+    exactly one passed an engine; returns that rank (in ``group``).
+
+    Raises (the same error on every rank, nothing gathered or written):
+        WeightManifestValidationError: the ranks' state dicts or versions differ.
+        ValueError: no rank, or more than one, passed an engine.
+    """
+    mine = torch.tensor([*_fingerprint(items, weight_version), int(leads)], dtype=torch.uint8, device=_device(group))
+    rows = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(rows, mine, group=group)
+    seen = [bytes(r[:-1].cpu().tolist()) for r in rows]
+    leaders = [i for i, r in enumerate(rows) if int(r[-1])]
+    differ = [i for i, s in enumerate(seen) if s != seen[0]]
+    if differ:
+        problem = Mismatch(
+            "manifest",
+            f"rank {differ[0]}",
+            expected="the names, global shapes, dtypes and weight_version of rank 0",
+            actual=f"other names, shapes, dtypes or weight_version on {len(differ)} rank(s) {differ[:8]}: every rank "
+            "passes its state dict of the same model with the same weight_version",
+        )
+        raise WeightManifestValidationError([problem], context="sharded install")
+    if len(leaders) != 1:
+        raise ValueError(
+            f"a sharded install needs exactly one rank that passes the engine, the others engine=None; "
+            f"{len(leaders)} rank(s) passed one ({leaders[:8]}); nothing was written"
+        )
+    return leaders[0]
+
+
+class Gatherer:
+    """The leader's side: placeholders to validate and plan with, and the gather of each tensor when it is read."""
+
+    def __init__(self, items: Items, leader: int, group: Any = None) -> None:
+        cls = _dtensor()
+        self._sources = list(items)
+        self._group = group
+        self._src = dist.get_global_rank(group, leader) if group is not None else leader
+        self._device = _device(group)
+        self._index: dict[int, int] = {}  # id(placeholder) -> index of its DTensor in items
+        self._placeholders: list[tuple[str, torch.Tensor]] = []
+        for i, (name, t) in enumerate(self._sources):
+            if cls is not None and isinstance(t, cls):
+                meta = torch.empty(t.shape, dtype=t.dtype, device="meta")
+                self._index[id(meta)] = i
+                t = meta
+            self._placeholders.append((name, t))
+        self._sharded = sorted(self._index.values())
+        self._held: tuple[int, torch.Tensor] | None = None
+        self._ahead: _Posted | None = None
+        self._lock = threading.Lock()
+        self.gathers = 0
+        """How many gathers were started (one per tensor when the install reads them in order)."""
+
+    def placeholders(self) -> list[tuple[str, torch.Tensor]]:
+        """``(name, tensor)`` with every ``DTensor`` as a ``meta`` tensor of its global shape and dtype."""
+        return list(self._placeholders)
+
+    def unresolved(self, items: Items) -> list[str]:
+        """Names in ``items`` (the placeholders as the engine will load them) whose data :meth:`load` cannot
+        find: a ``meta`` tensor that is neither a placeholder nor a view of one (a conversion that copied)."""
+        return [n for n, t in items if t.is_meta and self._source(t) is None]
+
+    def _source(self, tensor: torch.Tensor) -> int | None:
+        base = tensor._base if tensor._base is not None else tensor
+        return self._index.get(id(base))
+
+    def load(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """The data behind ``tensor``: itself unless it is a placeholder or a view of one; then its ``DTensor`` is
+        gathered on every rank (once for consecutive reads of the same one) and the same view is taken of it.
+        While the caller packs it, the next sharded tensor is already being gathered."""
+        index = self._source(tensor) if tensor.is_meta else None
+        if index is None:
+            return tensor
+        with self._lock:
+            if self._held is None or self._held[0] != index:
+                self._held = None  # drop the previous one before taking the next
+                self._held = (index, self._take(index))
+                self._post_next(index)
+            full = self._held[1]
+        if tensor._base is None:
+            return full
+        return full.as_strided(tensor.size(), tensor.stride(), tensor.storage_offset())
+
+    def _take(self, index: int) -> torch.Tensor:
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:
+            full = ahead.result()  # a posted gather must finish on every rank, used or not
+            if ahead.source == index:
+                return full
+        return self._post(index).result()
+
+    def _post(self, index: int) -> _Posted:
+        self._command(index)
+        self.gathers += 1
+        posted = _gather(self._sources[index][1], self._src, self._group, index, leads=True)
+        assert posted is not None
+        return posted
+
+    def _command(self, value: int) -> None:
+        dist.broadcast(torch.tensor([value], dtype=torch.int64, device=self._device), src=self._src, group=self._group)
+
+    def _post_next(self, index: int) -> None:
+        """Start the gather of the sharded tensor after ``index`` (the order an install reads them in)."""
+        at = bisect.bisect_right(self._sharded, index)
+        if at < len(self._sharded):
+            self._ahead = self._post(self._sharded[at])
+
+    def finish(self, outcome: InstallReport | BaseException) -> None:
+        """Tell every rank the install ended, and how (the report, or the error's envelope)."""
+        self._held = None
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:
+            ahead.result()
+        payload = (
+            {"report": outcome.model_dump(mode="json")}
+            if isinstance(outcome, InstallReport)
+            else {"error": envelope.encode(outcome)}
+        )
+        data = torch.frombuffer(bytearray(json.dumps(payload).encode()), dtype=torch.uint8).to(self._device)
+        self._command(_END)
+        self._command(data.numel())
+        dist.broadcast(data, src=self._src, group=self._group)
+
+
+def follow(items: Items, leader: int, group: Any = None) -> InstallReport:
+    """A non-leading rank's side: join each gather the leader names, then return its report or raise its error.
+
+    Raises:
+        the leader's error, rebuilt from its envelope (same class and message).
+        InstallError: a collective failed (the leader died, or the group broke); what the engine holds is unknown.
+    """
+    sources = list(items)
+    src = dist.get_global_rank(group, leader) if group is not None else leader
+    device = _device(group)
+    cmd = torch.empty(1, dtype=torch.int64, device=device)
+    try:
+        while True:
+            dist.broadcast(cmd, src=src, group=group)
+            index = int(cmd.item())
+            if index == _END:
+                break
+            _gather(sources[index][1], src, group, leads=False)  # this rank's part; the leader keeps the tensor
+        dist.broadcast(cmd, src=src, group=group)
+        data = torch.empty(int(cmd.item()), dtype=torch.uint8, device=device)
+        dist.broadcast(data, src=src, group=group)
+    except Exception as exc:
+        raise InstallError(
+            f"the sharded install broke off: a collective with the leading rank {leader} failed "
+            f"({type(exc).__name__}: {exc}). The leader's report says whether anything was written; retry the install "
+            "on every rank once the group is whole."
+        ) from exc
+    outcome = json.loads(data.cpu().numpy().tobytes().decode())
+    if "report" in outcome:
+        return InstallReport.model_validate(outcome["report"])
+    raise _rebuilt(outcome["error"])
+
+
+def _rebuilt(sealed: dict[str, Any]) -> BaseException:
+    """The leader's error on this rank: the same class (hotweights' own, or ValueError/TypeError) and message."""
+    builtin = _BUILTIN.get(sealed.get("type", ""))
+    if builtin is not None:
+        return builtin(sealed.get("message", ""))
+    error: HotWeightsError | None = envelope.decode(sealed)
+    return error if error is not None else InstallError(f"the leading rank failed: {sealed!r:.300}")

@@ -1,0 +1,160 @@
+"""One rank of a 2-process FSDP2 trainer (gloo, CPU) that installs its ``DTensor`` state dict after every step.
+
+Rank 0 starts a multiprocess ``vllm.LLM`` with hotweights' worker extension on ``--model`` (before the process group
+exists, so the engine's processes inherit none of it) and passes it to ``hotweights.install``; rank 1 passes
+``engine=None``. After each optimizer step both ranks install, then both gather the model (for the check only) and
+rank 0 compares vLLM's greedy output with HF's on the gathered weights. Every rank writes ``rank<r>.json`` to
+``--out``: per step its report, the number of ``full_tensor()`` calls the install made and the most bytes of
+gathered tensors alive at once; rank 0 adds the outputs, and saves the last gathered model to ``--out/final``.
+Then a refusal: the ranks pass different versions, and both must raise the same error with nothing written. Last,
+rank 1 dies inside a gather: rank 0's install must fail, typed, with nothing written.
+
+Run by ``tests/integrations/test_fsdp.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import weakref
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+def _counting_gathers(stats: dict[str, int]) -> None:
+    """Wrap ``dist.gather`` and ``DTensor.full_tensor`` (the two ways an install gathers) to count the gathers
+    and track the bytes of gathered tensors alive at once on this rank."""
+    from torch.distributed.tensor import DTensor
+
+    alive: weakref.WeakSet[torch.Tensor] = weakref.WeakSet()
+
+    def counted(out: torch.Tensor | None) -> None:
+        if stats.get("die") == stats["gathers"] + 1:  # this rank dies inside a gather, mid-install
+            os._exit(3)
+        if stats.get("on"):
+            stats["gathers"] += 1
+            if out is not None:
+                alive.add(out)
+            stats["peak"] = max(stats["peak"], sum(t.nbytes for t in alive))
+
+    original_gather, original_full = dist.gather, DTensor.full_tensor
+
+    def gather(tensor: torch.Tensor, gather_list: Any = None, *args: Any, **kwargs: Any) -> Any:
+        counted(gather_list[0]._base if gather_list else None)  # the buffer the chunks are views of
+        return original_gather(tensor, gather_list, *args, **kwargs)
+
+    def full_tensor(self: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        out = original_full(self, *args, **kwargs)
+        counted(out)
+        return out
+
+    dist.gather = gather
+    DTensor.full_tensor = full_tensor  # type: ignore[method-assign]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--world", type=int, default=2)
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--bucket-bytes", type=int, default=64 << 10)
+    args = parser.parse_args()
+    rank, out = args.rank, Path(args.out)
+
+    import hotweights
+    from hotweights.adapters import VLLMMultiprocessAdapter
+    from hotweights.handles import as_engine
+    from hotweights.testing import greedy_hf, greedy_vllm, start_engine
+
+    llm = adapter = None
+    record: dict[str, Any] = {"rank": rank, "steps": []}
+    if rank == 0:
+        llm = start_engine(args.model, "float32", multiprocess=True, worker_extension_cls=hotweights.WORKER_EXTENSION)
+        adapter = VLLMMultiprocessAdapter(llm, bucket_bytes=args.bucket_bytes)
+        record["initial"] = greedy_vllm(llm)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{args.port}",
+        rank=rank,
+        world_size=args.world,
+        timeout=datetime.timedelta(seconds=120),
+    )
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
+    mesh = init_device_mesh("cpu", (args.world,))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
+    stats = {"on": 0, "gathers": 0, "peak": 0}
+    _counting_gathers(stats)
+    vocab = model.config.vocab_size
+    options: dict[str, Any] = {"adapter": adapter} if adapter is not None else {}
+
+    for step in range(1, args.steps + 1):
+        ids = torch.randint(2, vocab, (2, 24), generator=torch.Generator().manual_seed(100 * step + rank))
+        model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+        stats.update(on=1, gathers=0, peak=0)
+        report = hotweights.install(llm, model.state_dict(), weight_version=step, **options)
+        stats["on"] = 0
+        entry: dict[str, Any] = {"report": report.model_dump(mode="json"), "gathers": stats["gathers"]}
+        entry["peak"] = stats["peak"]
+        entry["dtensors"] = sum(1 for v in model.state_dict().values() if hasattr(v, "full_tensor"))
+        full = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in model.state_dict().items()}
+        if rank == 0:
+            assert llm is not None
+            reference = AutoModelForCausalLM.from_config(model.config, dtype=torch.float32).eval()
+            reference.load_state_dict(full)
+            entry["vllm"], entry["hf"] = greedy_vllm(llm), greedy_hf(reference)
+            entry["model_bytes"] = sum(t.nbytes for t in full.values())
+            if step == args.steps:
+                reference.save_pretrained(out / "final", safe_serialization=True)
+        record["steps"].append(entry)
+        del full
+
+    # The ranks disagree on the version: the same refusal on both, before anything is gathered or written.
+    try:
+        hotweights.install(llm, model.state_dict(), weight_version=100 + rank, **options)
+        record["refusal"] = None
+    except Exception as exc:
+        record["refusal"] = f"{type(exc).__name__}: {exc}"
+    if rank == 0:
+        assert llm is not None
+        record["version_after_refusal"] = as_engine(llm).get_weight_version()
+        record["after_refusal"] = greedy_vllm(llm)
+    # Rank 1 dies in its third gather of the next install: rank 0's install fails, nothing written.
+    stats.update(on=1, gathers=0)
+    if rank == 1:
+        (out / f"rank{rank}.json").write_text(json.dumps(record))
+        stats["die"] = 3
+    try:
+        hotweights.install(llm, model.state_dict(), weight_version=50, **options)
+        record["rank_died"] = None
+    except Exception as exc:
+        record["rank_died"] = f"{type(exc).__name__}: {exc}"
+    assert llm is not None
+    record["version_after_death"] = as_engine(llm).get_weight_version()
+    record["after_death"] = greedy_vllm(llm)
+    (out / f"rank{rank}.json").write_text(json.dumps(record))
+    llm.llm_engine.engine_core.shutdown()
+    os._exit(0)  # vLLM's and gloo's threads must not hold the process
+
+
+if __name__ == "__main__":
+    main()

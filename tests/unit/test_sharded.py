@@ -1,0 +1,119 @@
+"""The sharded-install protocol (``hotweights.core.sharded``) on two real gloo processes, without an engine.
+
+The leader reads placeholders through :class:`Gatherer.load` the way an install does (views of a fused tensor
+included) and ends with a report or an error; the other rank follows. Real ``DTensor`` shards, a real process group.
+"""
+
+from __future__ import annotations
+
+import socket
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from hotweights.core.errors import StaleWeightVersionError, WeightManifestValidationError
+from hotweights.core.report import InstallReport
+from hotweights.core.sharded import Gatherer, agree, follow, is_sharded
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _state() -> list[tuple[str, Any]]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (2,))
+    fused = torch.arange(4 * 6 * 8, dtype=torch.float32).reshape(4, 6, 8)
+    rows = torch.arange(7 * 3, dtype=torch.float32).reshape(7, 3)  # chunks of 4 and 3 rows: padded to 4
+    cols = torch.arange(4 * 6, dtype=torch.float32).reshape(4, 6)  # sharded on dim 1: through full_tensor()
+    return [
+        ("fused", distribute_tensor(fused, mesh, [Shard(0)])),
+        ("rows", distribute_tensor(rows, mesh, [Shard(0)])),
+        ("cols", distribute_tensor(cols, mesh, [Shard(1)])),
+        ("plain", torch.ones(5)),
+    ]
+
+
+def _report(version: int) -> InstallReport:
+    return InstallReport(
+        update_id="u",
+        weight_version=version,
+        previous_version=None,
+        adapter="test",
+        num_tensors=3,
+        num_bytes=0,
+        prefix_cache_reset=True,
+    )
+
+
+def _run(rank: int, port: int, results: Any) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    out: dict[str, Any] = {}
+    items = _state()
+    out["sharded"] = is_sharded(items) and not is_sharded([("plain", torch.ones(2))])
+
+    # 1. An install that reads views of the fused tensor, then the rows, then a report: same on both ranks.
+    leader = agree(items, 5, rank == 0)
+    if rank == 0:
+        g = Gatherer(items, leader)
+        ph = dict(g.placeholders())
+        views = [("e1.up", ph["fused"][1].chunk(2, dim=0)[1]), ("e2.t", ph["fused"][2].t()), ("rows", ph["rows"])]
+        views.append(("cols", ph["cols"]))
+        assert g.unresolved(views) == []
+        assert g.unresolved([("copy", ph["fused"].transpose(0, 1).contiguous())]) == ["copy"]
+        full = torch.arange(4 * 6 * 8, dtype=torch.float32).reshape(4, 6, 8)
+        got = [g.load(n, t) for n, t in views] + [g.load("plain", ph["plain"])]
+        out["values"] = [
+            torch.equal(got[0], full[1].chunk(2, dim=0)[1]),
+            torch.equal(got[1], full[2].t()),
+            torch.equal(got[2], torch.arange(21, dtype=torch.float32).reshape(7, 3)),
+            torch.equal(got[3], torch.arange(24, dtype=torch.float32).reshape(4, 6)),
+            got[4] is ph["plain"],
+        ]
+        out["gathers"] = g.gathers
+        g.finish(_report(5))
+        out["report"] = 5
+    else:
+        out["report"] = follow(items, leader).weight_version
+
+    # 2. The leader's typed error reaches the other rank as the same class and message.
+    for error in (StaleWeightVersionError(6, 9), ValueError("bad option; nothing was written")):
+        leader = agree(items, 6, rank == 0)
+        try:
+            if rank == 0:
+                Gatherer(items, leader).finish(error)
+                raise error
+            follow(items, leader)
+        except Exception as exc:
+            out.setdefault("errors", []).append(f"{type(exc).__name__}: {exc}")
+
+    # 3. Disagreement and a missing leader: the same refusal on both ranks.
+    for version, leads in ((7 + rank, rank == 0), (8, False)):
+        try:
+            agree(items, version, leads)
+        except (WeightManifestValidationError, ValueError) as exc:
+            out.setdefault("refusals", []).append(type(exc).__name__)
+    results[rank] = out
+    dist.destroy_process_group()
+
+
+def test_leader_gathers_views_and_every_rank_ends_alike() -> None:
+    pytest.importorskip("torch.distributed.tensor")
+    results = mp.Manager().dict()
+    mp.spawn(_run, args=(_port(), results), nprocs=2, join=True)
+    lead, other = results[0], results[1]
+    assert lead["sharded"] and other["sharded"]
+    assert lead["values"] == [True, True, True, True, True]
+    assert lead["gathers"] == 3  # fused (read twice in a row: gathered once), rows, cols; never the plain tensor
+    assert lead["report"] == other["report"] == 5
+    assert lead["errors"] == other["errors"]
+    assert other["errors"][0].startswith("StaleWeightVersionError: weight_version 6 is not newer")
+    assert other["errors"][1] == "ValueError: bad option; nothing was written"
+    assert lead["refusals"] == other["refusals"] == ["WeightManifestValidationError", "ValueError"]
