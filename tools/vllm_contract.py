@@ -5,7 +5,9 @@
 :mod:`~hotweights.engine.readback`, :mod:`~hotweights.engine.transfer_engine`, :mod:`~hotweights.engine.vllm_plugin`
 and the engine handles reach, with the parameters hotweights passes and the hotweights function that needs it.
 :func:`check` parses the source with :mod:`ast` only: vLLM is never imported, so a wheel built for any platform
-(downloaded with ``pip download --no-deps``) can be checked on any machine. Standard library only.
+(downloaded with ``pip download --no-deps``) can be checked on any machine. It needs the standard library,
+``packaging``, and :data:`hotweights.engine.compat.VLLM_FIXES` (the vLLM versions each mend of vLLM's reload is for:
+the entries of what a mend patches hold over that range; compat imports without vLLM).
 
 Run it from the repository root (a tool of the repository, not part of the installed package)::
 
@@ -32,6 +34,8 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Literal
+
+from hotweights.engine.compat import VLLM_FIXES
 
 __all__ = ["CONTRACT", "Entry", "Result", "SourceTree", "check", "download_wheel", "installed_source", "main"]
 
@@ -100,6 +104,12 @@ class Result:
 
 
 _e = Entry  # short, for the table
+
+
+def _mend(name: str) -> str:
+    """The vLLM versions whose reload needs hotweights' mend ``name`` (``compat.VLLM_FIXES``): what the mend patches
+    must exist in each of them, and nowhere else is it asked for."""
+    return str(VLLM_FIXES[name].vllm)
 
 
 _LLM = "vllm.entrypoints.llm"
@@ -287,7 +297,8 @@ CONTRACT: tuple[Entry, ...] = (
         _e("vllm.config.model", f"ModelConfig.{a}", "attribute", "compat, engine.expected", "dtype, path, HF config")
         for a in ("dtype", "model", "hf_config", "hf_text_config")
     ),
-    # --- vLLM fixes: compat.apply_vllm_fixes
+    # --- vLLM fixes: compat.apply_vllm_fixes, each over the versions that need it (_mend). The tied-head mend wraps
+    # the runners' reload_weights (below, with each runner's own versions: the mend's range covers them all)
     _e(
         _MOE_METHOD,
         "UnquantizedFusedMoEMethod._setup_kernel",
@@ -295,6 +306,7 @@ CONTRACT: tuple[Entry, ...] = (
         "compat._fix_moe_setup_kernel",
         "wrapped: re-packs CPU experts on a weight update (fix moe-cpu-prepack)",
         args=("layer",),
+        vllm=_mend("moe-cpu-prepack"),
     ),
     _e(
         _MOE_METHOD,
@@ -303,8 +315,22 @@ CONTRACT: tuple[Entry, ...] = (
         "compat._fix_moe_setup_kernel, readback._packer",
         "None until the first load: tells an update from it",
     ),
-    _e(_MOE_KERNEL, "FusedMoEKernel.fused_experts", "attribute", "compat._fix_moe_setup_kernel", "the experts"),
-    _e(_CPU_MOE, "CPUUnquantizedExperts", "class", "compat._fix_moe_setup_kernel", "experts that pre-pack on CPU"),
+    _e(
+        _MOE_KERNEL,
+        "FusedMoEKernel.fused_experts",
+        "attribute",
+        "compat._fix_moe_setup_kernel",
+        "the experts",
+        vllm=_mend("moe-cpu-prepack"),
+    ),
+    _e(
+        _CPU_MOE,
+        "CPUUnquantizedExperts",
+        "class",
+        "compat._fix_moe_setup_kernel",
+        "experts that pre-pack on CPU",
+        vllm=_mend("moe-cpu-prepack"),
+    ),
     _e(
         _CPU_MOE,
         "CPUUnquantizedExperts.process_weights_after_loading",
@@ -312,6 +338,34 @@ CONTRACT: tuple[Entry, ...] = (
         "compat._fix_moe_setup_kernel",
         "re-packs w13/w2 for the grouped GEMM",
         args=("layer",),
+        vllm=_mend("moe-cpu-prepack"),
+    ),
+    _e(
+        _MODELS + "gpt_oss",
+        "GptOssModel._load_weights_other",
+        "method",
+        "compat._fix_gpt_oss_reload",
+        "wrapped: routes the experts and sinks a reload copies into meta placeholders through their loaders",
+        kwargs=("weights",),
+        vllm=_mend("gpt-oss-experts-sinks"),
+    ),
+    _e(
+        _MODELS + "gpt_oss",
+        "GptOssModel._get_streamed_expert_info",
+        "method",
+        "compat._fix_gpt_oss_reload",
+        "the fused parameter of one expert's checkpoint key",
+        args=("name", "params_dict"),
+        vllm=_mend("gpt-oss-experts-sinks"),
+    ),
+    _e(
+        "vllm.model_executor.model_loader.weight_utils",
+        "default_weight_loader",
+        "function",
+        "compat._fix_gpt_oss_reload",
+        "loads a sink that has no loader of its own",
+        args=("param", "loaded_weight"),
+        vllm=_mend("gpt-oss-experts-sinks"),
     ),
     *(
         entry

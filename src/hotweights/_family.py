@@ -38,6 +38,9 @@ def check_mends(handle: EngineHandle) -> None:
     """Refuse before writing when the engine's model needs a mend of vLLM's reload that is not in place where its
     workers run (e.g. hotweights' vLLM plugin kept out by ``VLLM_PLUGINS``, or a runner the mend does not reach).
 
+    Only the mends this vLLM needs count (:func:`~hotweights.engine.compat.vllm_needs_fix`): a model that needs a mend
+    on another vLLM installs unmended here.
+
     Raises:
         EngineNotSupportedError: names the mends, what each mends, and the vLLM version; nothing was written.
     """
@@ -50,7 +53,7 @@ def check_mends(handle: EngineHandle) -> None:
         return  # cannot be told from here: the engine's own processes apply them (hotweights' vLLM plugin)
     missing = [n for n in needed if n not in applied]
     if missing:
-        why = "; ".join(f"{n}: {compat.VLLM_FIXES[n]}" for n in missing)
+        why = "; ".join(f"{n}: {compat.VLLM_FIXES[n].why}" for n in missing)
         raise EngineNotSupportedError(
             f"this model needs hotweights' mend(s) of vLLM {compat.vllm_version() or '?'}'s weight reload, and they "
             f"are not in place in the engine's workers ({why}); nothing was written. Let hotweights' vLLM plugin "

@@ -93,14 +93,14 @@ class VLLMWeightsPathAdapter(VLLMEngineAdapter):
         mend runs in the engine's processes only through hotweights' vLLM plugin: refuse where it cannot."""
         if self.engine.kind not in ("llm", "async_llm") or compat.vllm_fixes_reach_workers():
             return
-        needed = compat.vllm_fixes_for(self.engine.model_config())
+        needed = compat.vllm_fixes_for(self.engine.model_config())  # only those this vLLM needs
         if needed:
-            why = "; ".join(compat.VLLM_FIXES[n] for n in needed)
+            why = "; ".join(compat.VLLM_FIXES[n].why for n in needed)
             raise EngineNotSupportedError(
-                f"this model needs a fix to vLLM's reload_weights that runs in the engine's processes through "
-                f"hotweights' vLLM plugin, and VLLM_PLUGINS={os.environ.get('VLLM_PLUGINS')!r} leaves it out ({why}); "
-                "nothing was written. Add hotweights to VLLM_PLUGINS, or start the engine with "
-                f"worker_extension_cls={compat.WORKER_EXTENSION!r}."
+                f"this model needs a fix to vLLM {compat.vllm_version() or '?'}'s reload_weights that runs in the "
+                f"engine's processes through hotweights' vLLM plugin, and VLLM_PLUGINS="
+                f"{os.environ.get('VLLM_PLUGINS')!r} leaves it out ({why}); nothing was written. Add hotweights to "
+                f"VLLM_PLUGINS, or start the engine with worker_extension_cls={compat.WORKER_EXTENSION!r}."
             )
 
 
