@@ -7,6 +7,7 @@ gap between the sampler and the trainer (``sampling/sampling_logp_difference/mea
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import subprocess
@@ -26,7 +27,7 @@ pytest.importorskip("vllm")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 import hotweights
-from hotweights.integrations.trl import TRLWeightSync, attach
+from hotweights.integrations.trl import TRLWeightSync, attach, lora_engine
 from hotweights.testing import build_tiny_model, greedy_vllm, save_tiny_model, stop_engine
 
 LOGP_KEY = "sampling/sampling_logp_difference/mean"  # trl/trainer/grpo_trainer.py
@@ -85,7 +86,13 @@ def _fp32_cpu_llm(**kwargs: Any) -> Any:
 
 
 def _train(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *, steps: int, peft: bool, arch: str = "qwen2"
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    *,
+    steps: int,
+    peft: bool,
+    arch: str = "qwen2",
+    with_lora: bool = False,
 ) -> tuple[Any, Any, list[Sync]]:
     """Train ``steps`` GRPO steps; every sync TRL asks for goes through hotweights and is checked right after."""
     import trl.generation.vllm_generation as vg
@@ -121,14 +128,15 @@ def _train(
         from peft import LoraConfig
 
         peft_config = LoraConfig(r=8, lora_alpha=32, target_modules=["q_proj", "v_proj", "up_proj"])
-    trainer = GRPOTrainer(
-        model=str(path),
-        reward_funcs=_reward,
-        args=args,
-        train_dataset=Dataset.from_dict({"prompt": prompts}),
-        processing_class=tokenizer,
-        peft_config=peft_config,
-    )
+    with lora_engine(max_lora_rank=8) if with_lora else contextlib.nullcontext():
+        trainer = GRPOTrainer(
+            model=str(path),
+            reward_funcs=_reward,
+            args=args,
+            train_dataset=Dataset.from_dict({"prompt": prompts}),
+            processing_class=tokenizer,
+            peft_config=peft_config,
+        )
     llm = trainer.vllm_generation.llm
     handle = attach(trainer)
     syncs: list[Sync] = []
@@ -256,6 +264,31 @@ def test_grpo_colocate_lora_serves_merged_weights(
         stop_engine(llm)
     with capsys.disabled():
         print(f"\n{_summary('lora', syncs, trainer)} ({time.perf_counter() - start:.1f} s)")
+
+
+@pytest.mark.engine
+def test_grpo_colocate_lora_engine_gets_the_adapter_alone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, restore_env: None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A PEFT policy and an engine started with LoRA: every sync sends the adapter alone, TRL's rollouts use it,
+    and after every step vLLM with the adapter equals HF on the merged model."""
+    pytest.importorskip("peft")
+    start = time.perf_counter()
+    trainer, llm, syncs = _train(tmp_path, monkeypatch, steps=3, peft=True, with_lora=True)
+    try:
+        assert [s.step for s in syncs] == [0, 1, 2, 3], "one install per step, versioned by the global step"
+        model_bytes = sum(t.nbytes for t in syncs[-1].weights.values())
+        for s in syncs:
+            assert s.report.adapter == "lora" and s.report.weight_version == s.step, s.report
+            assert s.report.num_bytes * 20 < model_bytes, (s.report.num_bytes, model_bytes)
+            assert s.vllm == s.hf, f"step {s.step}: vLLM with the adapter serves something else than the trainer"
+        assert len({tuple(map(tuple, s.vllm)) for s in syncs}) > 1, "greedy output never changed across steps"
+        logged = [e[LOGP_KEY] for e in trainer.state.log_history if LOGP_KEY in e]
+        assert all(abs(v) < 1e-3 for v in logged) and len(logged) == 3, f"sampler and trainer disagree: {logged}"
+    finally:
+        stop_engine(llm)
+    with capsys.disabled():
+        print(f"\n{_summary('lora-adapter', syncs, trainer)} ({time.perf_counter() - start:.1f} s)")
 
 
 def test_import_hotweights_does_not_import_trl() -> None:

@@ -8,6 +8,11 @@ own ``VLLMGeneration._iter_named_params``), and makes **one** atomic :func:`hotw
 ``weight_version = trainer.state.global_step`` and ``cast`` the engine's dtype (floating tensors are cast bucket by
 bucket as they are sent).
 
+With a PEFT model and a colocated engine started with LoRA (``with lora_engine(max_lora_rank=r):`` around the
+trainer's construction: TRL itself never enables LoRA in vLLM), each sync sends the adapter alone
+(:func:`hotweights.install_lora`, a few MB instead of the model) and the engine's ``generate`` uses it for TRL's
+rollouts; elsewhere the merged model is installed, as TRL does.
+
 TRL is imported only inside these functions: ``import hotweights`` never imports it.
 
 Example:
@@ -19,17 +24,28 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
+import functools
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 import hotweights
 from hotweights._install import InstallOptions, install
+from hotweights._lora import install_lora, lora_request
+from hotweights.core import attach as _attach
 from hotweights.core.errors import EngineNotSupportedError, HotWeightsError
 from hotweights.core.report import InstallReport
 from hotweights.engine import compat
+from hotweights.handles import as_engine
 
-__all__ = ["TRLWeightSync", "attach"]
+__all__ = ["LORA_NAME", "TRLWeightSync", "attach", "lora_engine"]
+
+#: The name the trainer's adapter is installed under in an adapter-only sync.
+LORA_NAME = "trl-policy"
+#: The install options an adapter-only sync passes on to :func:`hotweights.install_lora`.
+_LORA_OPTIONS = frozenset({"pause", "force"})
 
 _TESTED_TRL = "trl==1.16.0"
 # hotweights.install's keyword options that attach() passes on; weight_version and update_id it sets per sync.
@@ -44,8 +60,13 @@ class TRLWeightSync:
             the ranks that do not hold the engine: every rank still takes part in the gather).
     """
 
-    def __init__(self, trainer: Any, target: Any, dtype: torch.dtype | None, options: dict[str, Any]) -> None:
+    def __init__(
+        self, trainer: Any, target: Any, dtype: torch.dtype | None, options: dict[str, Any], lora: bool = False
+    ) -> None:
         self.trainer = trainer
+        self.lora = lora
+        """Whether each sync sends the PEFT adapter alone (:func:`hotweights.install_lora`, as :data:`LORA_NAME`)
+        instead of the merged model."""
         self.generation: Any = trainer.vllm_generation
         self.target = target
         """What installs go to: the colocated ``vllm.LLM``, the ``hotweights.connect`` client, or None on ranks
@@ -66,6 +87,8 @@ class TRLWeightSync:
         """Gather the trainer's weights (every rank must call it, like TRL's ``sync_weights``) and install them in
         one atomic update versioned ``trainer.state.global_step``. Returns the report where this rank installs."""
         gen = self.generation
+        if self.lora:
+            return self._sync_adapter()
         if gen.mode == "colocate" and gen.enable_sleep_mode:
             # As TRL does: map the weights' memory back before writing into it.
             _empty_device_cache()
@@ -94,11 +117,29 @@ class TRLWeightSync:
         self.reports.append(report)
         return report
 
+    def _sync_adapter(self) -> InstallReport:
+        """The adapter alone, as PEFT saves it, versioned ``trainer.state.global_step``; the engine already holds
+        the base (an adapter-only sync needs no collective: every colocated rank holds the whole adapter)."""
+        from peft import get_peft_model_state_dict
+
+        model = self.trainer.accelerator.unwrap_model(self.generation.model)
+        adapter = {k: v.detach().clone() for k, v in get_peft_model_state_dict(model).items()}
+        version = int(self.trainer.state.global_step)
+        last = self.last_report
+        options = {k: v for k, v in self.options.items() if k in _LORA_OPTIONS}
+        options["force"] = bool(options.get("force", False)) or (last is not None and last.weight_version == version)
+        config = model.peft_config[model.active_adapter]
+        report = install_lora(self.target, adapter, name=LORA_NAME, weight_version=version, config=config, **options)
+        self.reports.append(report)
+        return report
+
     def detach(self) -> None:
-        """Give ``sync_weights`` back to TRL (and close the server client :func:`attach` opened)."""
+        """Give ``sync_weights`` back to TRL (and close the server client :func:`attach` opened); the engine's
+        ``generate`` no longer adds the adapter."""
         if not self._attached:
             return
         self._attached = False
+        _attach.detach(self)
         if self.generation.__dict__.get("sync_weights") == self.sync:
             del self.generation.sync_weights
         del self.generation._hotweights_sync
@@ -117,13 +158,18 @@ class TRLWeightSync:
         self.detach()
 
 
-def attach(trainer: Any, **install_options: Any) -> TRLWeightSync:
+def attach(trainer: Any, *, lora: bool | None = None, **install_options: Any) -> TRLWeightSync:
     """Make ``trainer`` (TRL, ``use_vllm=True``) sync its weights through :func:`hotweights.install`.
 
     Args:
         trainer: a TRL trainer holding ``trainer.vllm_generation`` (GRPO, RLOO, distillation trainers).
+        lora: send a PEFT model's adapter alone (:func:`hotweights.install_lora`, named :data:`LORA_NAME`) and
+            make the colocated engine's ``generate`` use it (a call that passes its own ``lora_request`` keeps
+            it). None (default): where it can (a PEFT model, TRL's colocate mode, an engine started with LoRA,
+            see :func:`lora_engine`, no sleep mode, no ZeRO-3/FSDP sharding the adapter); else the merged model.
+            True: it must (:class:`EngineNotSupportedError` naming what prevents it). False: the merged model.
         **install_options: keyword options passed to every :func:`hotweights.install` (``layout``,
-            ``metadata``, ``force``, ``digests``, ...).
+            ``metadata``, ``force``, ``digests``, ...); an adapter-only sync takes ``pause`` and ``force`` only.
 
     Returns:
         The handle: ``last_report``, ``reports``, ``sync()`` and ``detach()``.
@@ -175,13 +221,90 @@ def attach(trainer: Any, **install_options: Any) -> TRLWeightSync:
             dtype = _remote_dtype(target)
     else:
         raise EngineNotSupportedError(f"unknown TRL vllm_mode {gen.mode!r}: use 'colocate' or 'server'")
-    handle = TRLWeightSync(trainer, target, dtype, dict(install_options))
+    adapter_only = _adapter_only(gen, target, lora)
+    ignored = sorted(set(install_options) - _LORA_OPTIONS) if adapter_only else []
+    if ignored:
+        raise TypeError(
+            f"an adapter-only sync passes only {sorted(_LORA_OPTIONS)} to hotweights.install_lora, not {ignored}; "
+            "drop them, or pass lora=False to sync the merged model with them"
+        )
+    handle = TRLWeightSync(trainer, target, dtype, dict(install_options), lora=adapter_only)
+    if adapter_only:
+        _attach.patch(handle, gen.llm, "generate", functools.partial(_with_adapter, gen.llm))
     gen._hotweights_sync = handle
     gen.sync_weights = handle.sync  # an instance attribute: detach() deletes it and TRL's method is back
     add = getattr(trainer, "add_callback", None)
     if callable(add):  # TRL syncs before it generates, so the last step's weights would wait for the next rollout
         add(handle._callback)
     return handle
+
+
+@contextlib.contextmanager
+def lora_engine(max_lora_rank: int = 16, **engine_kwargs: Any) -> Iterator[None]:
+    """Inside it, the ``vllm.LLM`` a TRL trainer builds for colocate mode starts with ``enable_lora=True`` and
+    ``max_lora_rank`` (plus ``engine_kwargs``), so that :func:`attach` syncs a PEFT model's adapter alone. TRL 1.16
+    has no option for it; this replaces ``trl.generation.vllm_generation.LLM`` while the trainer is built.
+
+    Example:
+        >>> with hotweights.integrations.trl.lora_engine(max_lora_rank=16):  # doctest: +SKIP
+        ...     trainer = GRPOTrainer(model=..., peft_config=LoraConfig(r=16, ...), args=GRPOConfig(use_vllm=True))
+        >>> sync = hotweights.integrations.trl.attach(trainer)            # doctest: +SKIP
+    """
+    import importlib
+
+    vg: Any = importlib.import_module("trl.generation.vllm_generation")
+    build = vg.LLM
+
+    def with_lora(*args: Any, **kwargs: Any) -> Any:
+        return build(*args, **{**kwargs, "enable_lora": True, "max_lora_rank": max_lora_rank, **engine_kwargs})
+
+    vg.LLM = with_lora
+    try:
+        yield
+    finally:
+        vg.LLM = build
+
+
+def _adapter_only(gen: Any, target: Any, lora: bool | None) -> bool:
+    """Whether syncs send the adapter alone (see :func:`attach`'s ``lora``)."""
+    from accelerate.utils import is_peft_model
+
+    if lora is False:
+        return False
+    dist = getattr(gen, "_dist", None)
+    why = []
+    model = getattr(gen, "model", None)
+    if model is None or not is_peft_model(model):
+        why.append("the model is not a PEFT model")
+    if gen.mode != "colocate":
+        why.append("TRL's server mode (adapter-only syncs need the colocated engine)")
+    elif target is not None and as_engine(target).max_lora_rank() is None:
+        why.append(
+            "the engine was started without LoRA (build the trainer inside "
+            "hotweights.integrations.trl.lora_engine(max_lora_rank=r))"
+        )
+    if getattr(gen, "enable_sleep_mode", False):
+        why.append("sleep mode discards the base weights, which an adapter-only sync never sends")
+    if getattr(dist, "is_zero3", False) or getattr(dist, "is_fsdp", False):
+        why.append("ZeRO-3/FSDP shard the adapter")
+    if why and lora:
+        raise EngineNotSupportedError(
+            f"an adapter-only sync is not possible here: {'; '.join(why)}. Pass lora=False to sync the merged model."
+        )
+    return not why
+
+
+def _with_adapter(llm: Any, generate: Any) -> Any:
+    """``llm.generate`` that uses the synced adapter unless the call passes its own ``lora_request``."""
+
+    @functools.wraps(generate)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("lora_request") is None:
+            with contextlib.suppress(HotWeightsError):  # before the first sync: the base model
+                kwargs["lora_request"] = lora_request(llm, LORA_NAME)
+        return generate(*args, **kwargs)
+
+    return run
 
 
 class _SyncAtTrainEnd:
