@@ -141,3 +141,62 @@ def test_the_adapter_alone_into_a_multiprocess_llm(lora: Lora) -> None:
         stop_engine(llm)
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     assert set(our_shm()) <= before  # the adapter's files went with the engine
+
+
+def test_the_adapter_alone_into_an_async_llm(lora: Lora) -> None:
+    """``install_lora_async`` on the engine's loop: v1, v2 while requests run (pause="wait": none mixes versions),
+    then a bad adapter refused with v2 still serving."""
+    import asyncio
+
+    from vllm import SamplingParams
+
+    from hotweights.testing import EventLoopThread, start_async_engine
+
+    sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, detokenize=False)
+
+    async def greedy_async(engine: Any, lora_request: Any = None) -> list[list[int]]:
+        async def one(i: int, prompt: Any) -> list[int]:
+            final = None
+            request = {"prompt_token_ids": list(prompt)}
+            async for out in engine.generate(request, sp, request_id=f"lora-{i}-{id(lora_request)}",
+                                             lora_request=lora_request):  # fmt: skip
+                final = out
+            assert final is not None
+            return list(final.outputs[0].token_ids)
+
+        return list(await asyncio.gather(*(one(i, p) for i, p in enumerate(PROMPTS))))
+
+    loop = EventLoopThread()
+    engine = loop.call(start_async_engine, lora.base, enable_lora=True, max_lora_rank=RANK, max_loras=1)
+    try:
+
+        async def scenario() -> tuple[list[list[list[int]]], list[Any], str]:
+            served, reports = [], []
+            for version, i in ((1, 0), (2, 1)):
+                running = asyncio.ensure_future(greedy_async(engine))  # base-model requests in flight
+                tensors = adapter_tensors(lora.models[i])
+                install = hotweights.install_lora_async(
+                    engine, tensors, name="policy", weight_version=version, config=lora.config
+                )
+                reports.append(await install)
+                assert await running == lora.fresh_base
+                served.append(await greedy_async(engine, hotweights.lora_request(engine, "policy")))
+            bad = adapter_tensors(lora.models[0])
+            first = next(iter(bad))
+            bad[first] = bad[first][:, :-1]
+            try:
+                await hotweights.install_lora_async(engine, bad, name="policy", weight_version=3, config=lora.config)
+                refused = ""
+            except WeightManifestValidationError as exc:
+                refused = str(exc)
+            served.append(await greedy_async(engine, hotweights.lora_request(engine, "policy")))
+            return served, reports, refused
+
+        served, reports, refused = loop.run(scenario())
+    finally:
+        engine.shutdown()
+        loop.close()
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    assert served == [lora.fresh[0], lora.fresh[1], lora.fresh[1]]
+    assert [(r.adapter, r.weight_version, r.previous_version) for r in reports] == [("lora", 1, None), ("lora", 2, 1)]
+    assert refused and "lora_A" in refused
