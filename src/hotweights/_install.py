@@ -149,6 +149,9 @@ def install(
             never the whole model at once, and every rank returns the same report or raises the same error (see
             ``docs/trainers.md``).
         group: the process group of a sharded install (default: the whole world).
+        layout: ``WeightLayout(tp_rank=r, tp_size=n)``: ``tensors`` are this rank's tensor-parallel chunks of the
+            checkpoint's tensors (each cut along one dimension, the last chunk padded); the call is collective like a
+            ``DTensor`` one, and the chunks are gathered into the engine's shapes (``docs/trainers.md``).
         pause: what happens to requests in flight, for engines with a scheduler to pause (see
             :data:`~hotweights.handles.PauseMode`). A ``vllm.LLM`` always waits for running generation calls.
         adapter: install through this adapter (built on ``engine``, e.g. ``VLLMMultiprocessAdapter(engine,
@@ -195,9 +198,16 @@ def install(
         >>> report = hotweights.install(llm, model.state_dict(), weight_version=step)  # doctest: +SKIP
         >>> print(report)                                                               # doctest: +SKIP
     """
-    if engine is None or is_sharded(_as_items(tensors)):
+    if _collective(engine, tensors, options):
         return _install_sharded(engine, tensors, weight_version, **options)
     return _install(_sync_handle(engine), tensors, weight_version, **options)
+
+
+def _collective(engine: Any, tensors: TensorsLike, options: Mapping[str, Any]) -> bool:
+    """Whether this call is one rank's part of a sharded install: the other ranks' (no engine), ``DTensor``
+    values, or tensor-parallel chunks (``layout`` with ``tp_size > 1``)."""
+    layout = options.get("layout")
+    return engine is None or (layout is not None and not layout.is_full) or is_sharded(_as_items(tensors))
 
 
 def _sync_handle(engine: Any) -> EngineHandle:
@@ -232,24 +242,34 @@ async def install_async(
 
         assert isinstance(handle, AsyncLLMHandle)
         handle.bind(asyncio.get_running_loop(), options.get("pause", "wait"))
-    if handle is None or is_sharded(_as_items(tensors)):
+    if handle is None or _collective(handle, tensors, options):
         return await asyncio.to_thread(_install_sharded, handle, tensors, weight_version, **options)
     return await asyncio.to_thread(_install, handle, tensors, weight_version, **options)
 
 
 def _install_sharded(
-    engine: Any, tensors: TensorsLike, weight_version: int, *, group: Any = None, **options: Any
+    engine: Any,
+    tensors: TensorsLike,
+    weight_version: int,
+    *,
+    group: Any = None,
+    layout: WeightLayout | None = None,
+    **options: Any,
 ) -> InstallReport:
     """One rank's part of a sharded install (:mod:`hotweights.core.sharded`): the rank with the engine leads and
-    installs, gathering each tensor when it is read; the others join the gathers and return its outcome."""
+    installs, gathering each tensor when it is read; the others join the gathers and return its outcome. With a
+    tensor-parallel ``layout``, plain tensors are this rank's chunks, gathered into the engine's full shapes."""
     items = _as_items(tensors)
-    leader = agree(items, weight_version, engine is not None, group)
+    tp = (layout.tp_rank, layout.tp_size) if layout is not None and not layout.is_full else None
+    leader = agree(items, weight_version, engine is not None, group, tp)
     if engine is None:
         return follow(items, leader, group)
     gatherer = Gatherer(items, leader, group)
     try:
         handle = engine if isinstance(engine, EngineHandle) and engine.kind == "async_llm" else _sync_handle(engine)
-        report = _install(handle, items, weight_version, gatherer=gatherer, **options)
+        full = None if tp is not None else layout  # what the engine receives: whole tensors
+        cut = tp[1] if tp is not None else None
+        report = _install(handle, items, weight_version, gatherer=gatherer, tp_size=cut, layout=full, **options)
     except BaseException as exc:
         with contextlib.suppress(Exception):  # the group broke (maybe why it failed): the others fail on it too
             gatherer.finish(exc)
@@ -276,6 +296,7 @@ def _install(
     unproven: Unproven | None = None,
     group: Any = None,
     gatherer: Gatherer | None = None,
+    tp_size: int | None = None,
 ) -> InstallReport:
     if adapter is not None and getattr(adapter, "engine", handle) is not handle:
         raise ValueError("adapter= was built on another engine than the one passed to install; build it on this one")
@@ -288,7 +309,7 @@ def _install(
     if gatherer is None:
         items, manifest = update_for(chosen, tensors, weight_version, digests=digests, **fields)
     else:
-        items, manifest = _gathered_update(chosen, gatherer, weight_version, digests=digests, **fields)
+        items, manifest = _gathered_update(chosen, gatherer, weight_version, digests=digests, tp_size=tp_size, **fields)
     family = check_family(handle, items, unproven)
     with handle.installing(pause, chosen.lock_timeout):
         return chosen.install(manifest, items, force=force, delta=delta, verify=verify, cast=cast, family=family)
@@ -329,15 +350,27 @@ def _gathered_update(
     weight_version: int,
     *,
     digests: bool,
+    tp_size: int | None = None,
     **fields: Any,
 ) -> tuple[CastItems, WeightUpdateManifest]:
     """:func:`update_for` on a sharded state dict: names, shapes and dtypes from the gatherer's placeholders, the
-    data gathered when the install reads it."""
+    data gathered when the install reads it. ``tp_size``: plain tensors are tensor-parallel chunks of the engine's
+    checkpoint shapes (each one's cut found from its shape)."""
     if digests:
         raise ValueError(
             "digests=True hashes every tensor before sending, which would gather the whole sharded model first; "
             "install without digests (the engine still checks names, shapes and dtypes). Nothing was written."
         )
+    if tp_size is not None:
+        expected = adapter.expected
+        if expected is None:
+            raise UnsupportedLayoutError(
+                "tensor-parallel chunks are gathered into the engine's checkpoint shapes, which are not known for "
+                "this engine; gather them into full tensors (or DTensors) and install those. Nothing was written."
+            )
+        problems = gatherer.cut({n: s.shape for n, s in expected.tensors.items()}, tp_size)
+        if problems:
+            raise WeightManifestValidationError(problems, context="tensor-parallel chunks")
     items = _checkpoint_names(adapter, gatherer.placeholders())
     lost = gatherer.unresolved(items)
     if lost:

@@ -6,8 +6,9 @@ exists, so the engine's processes inherit none of it) and passes it to ``hotweig
 rank 0 compares vLLM's greedy output with HF's on the gathered weights. Every rank writes ``rank<r>.json`` to
 ``--out``: per step its report, the number of ``full_tensor()`` calls the install made and the most bytes of
 gathered tensors alive at once; rank 0 adds the outputs, and saves the last gathered model to ``--out/final``.
-Then a refusal: the ranks pass different versions, and both must raise the same error with nothing written. Last,
-rank 1 dies inside a gather: rank 0's install must fail, typed, with nothing written.
+Then a refusal: the ranks pass different versions, and both must raise the same error with nothing written. With
+``--tp-models``, the ranks then install tensor-parallel chunks of those models (:func:`tp_stage`). Last, rank 1
+dies inside a gather: rank 0's install must fail, typed, with nothing written.
 
 Run by ``tests/integrations/test_fsdp.py``.
 """
@@ -57,6 +58,56 @@ def _counting_gathers(stats: dict[str, int]) -> None:
     DTensor.full_tensor = full_tensor  # type: ignore[method-assign]
 
 
+#: How a Megatron-style trainer cuts a Qwen2's checkpoint tensors: column-parallel on dim 0, row-parallel on dim 1
+#: (the others, norms, whole on every rank).
+_COLUMN = ("q_proj.", "k_proj.", "v_proj.", "gate_proj.", "up_proj.", "embed_tokens.", "lm_head.")
+_ROW = ("o_proj.weight", "down_proj.weight")
+
+
+def _chunk(name: str, tensor: torch.Tensor, rank: int, size: int) -> torch.Tensor:
+    """This rank's tensor-parallel chunk of ``tensor``: equal chunks, the last one padded with zeros."""
+    dim = 0 if any(k in name for k in _COLUMN) else 1 if any(k in name for k in _ROW) else None
+    if dim is None:
+        return tensor.clone()
+    rows = -(-tensor.shape[dim] // size)
+    pad = list(tensor.shape)
+    pad[dim] = rows * size - tensor.shape[dim]
+    padded = torch.cat([tensor, tensor.new_zeros(pad)], dim=dim)
+    return padded.narrow(dim, rank * rows, rows).clone()
+
+
+def tp_stage(llm: Any, rank: int, models: list[str], record: dict[str, Any]) -> None:
+    """The ranks hold tensor-parallel chunks (plain tensors, checkpoint names as saved) of ``models`` in turn and
+    install them with ``layout=WeightLayout(tp_rank=rank, tp_size=2)``, versions 11, 12, ...; then both claim
+    tp_rank 0."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    import hotweights
+    from hotweights.handles import as_engine
+    from hotweights.testing import greedy_hf, greedy_vllm
+
+    layout = hotweights.WeightLayout(tp_rank=rank, tp_size=2)
+    record["tp"] = []
+    chunks: dict[str, torch.Tensor] = {}
+    for version, path in enumerate(models, start=11):
+        whole = load_file(str(Path(path) / "model.safetensors"))
+        chunks = {k: _chunk(k, v, rank, 2) for k, v in whole.items()}
+        report = hotweights.install(llm, chunks, weight_version=version, layout=layout)
+        entry: dict[str, Any] = {"report": report.model_dump(mode="json")}
+        if llm is not None:
+            reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+            entry["vllm"], entry["hf"] = greedy_vllm(llm), greedy_hf(reference)
+        record["tp"].append(entry)
+    try:
+        hotweights.install(llm, chunks, weight_version=20, layout=hotweights.WeightLayout(tp_rank=0, tp_size=2))
+        record["tp_refusal"] = None
+    except Exception as exc:
+        record["tp_refusal"] = f"{type(exc).__name__}: {exc}"
+    if llm is not None:
+        record["version_after_tp_refusal"] = as_engine(llm).get_weight_version()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rank", type=int, required=True)
@@ -66,6 +117,7 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--bucket-bytes", type=int, default=64 << 10)
+    parser.add_argument("--tp-models", default="", help="comma-separated model directories for the TP stage")
     args = parser.parse_args()
     rank, out = args.rank, Path(args.out)
 
@@ -138,13 +190,16 @@ def main() -> None:
         assert llm is not None
         record["version_after_refusal"] = as_engine(llm).get_weight_version()
         record["after_refusal"] = greedy_vllm(llm)
+    if args.tp_models:
+        tp_stage(llm, rank, args.tp_models.split(","), record)
+
     # Rank 1 dies in its third gather of the next install: rank 0's install fails, nothing written.
     stats.update(on=1, gathers=0)
     if rank == 1:
         (out / f"rank{rank}.json").write_text(json.dumps(record))
         stats["die"] = 3
     try:
-        hotweights.install(llm, model.state_dict(), weight_version=50, **options)
+        hotweights.install(llm, model.state_dict(), weight_version=50, **options)  # FSDP2 again
         record["rank_died"] = None
     except Exception as exc:
         record["rank_died"] = f"{type(exc).__name__}: {exc}"

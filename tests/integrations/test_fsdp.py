@@ -5,7 +5,8 @@ Two gloo processes train a tiny model with ``fully_shard`` on CPU (``fsdp_rank.p
 on the gathered model, both ranks must return the same report, each tensor is gathered once and never the whole
 model at a time; at the end a freshly started engine on the last weights gives the same output, a version the ranks
 disagree on is refused alike on both with nothing written, and a rank that dies inside a gather fails the leader's
-install before anything is written.
+install before anything is written. In the same run the two ranks install Megatron-style tensor-parallel chunks
+(plain tensors, ``layout=WeightLayout(tp_rank, tp_size=2)``) of two more models.
 """
 
 from __future__ import annotations
@@ -35,13 +36,14 @@ def _free_port() -> int:
 
 def _train(arch: str, tmp_path: Path) -> list[dict[str, Any]]:
     model_dir = save_tiny_model(build_tiny_model(arch, seed=3), tmp_path / "initial")
+    tp_models = [str(save_tiny_model(build_tiny_model(arch, seed=s), tmp_path / f"tp{s}")) for s in (11, 12)]
     port = _free_port()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)])}
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
     ranks, logs = [], [tmp_path / f"rank{r}.log" for r in range(2)]
     for r in range(2):
         command = [sys.executable, "-m", "tests.integrations.fsdp_rank", "--rank", str(r), "--port", str(port)]
-        command += ["--model", str(model_dir), "--out", str(tmp_path)]
+        command += ["--model", str(model_dir), "--out", str(tmp_path), "--tp-models", ",".join(tp_models)]
         with logs[r].open("w") as log:  # files, not pipes: a rank must never block on a full pipe
             ranks.append(subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT))
     try:
@@ -73,12 +75,20 @@ def test_fsdp2_ranks_install_their_shards(arch: str, tmp_path: Path) -> None:
     assert lead["refusal"].startswith("WeightManifestValidationError")
     assert lead["version_after_refusal"] == str(len(lead["steps"]))
     assert lead["after_refusal"] == lead["steps"][-1]["vllm"]
+    # Tensor-parallel chunks (plain tensors, the last chunk padded) of two more models: the engine equals HF on each
+    # whole model; a rank claiming another's place is refused alike on both, nothing written.
+    assert lead["steps"][-1]["vllm"] != lead["tp"][0]["vllm"] != lead["tp"][1]["vllm"], "the models are alike"
+    for version, (mine, theirs) in enumerate(zip(lead["tp"], other["tp"], strict=True), start=11):
+        assert mine["vllm"] == mine["hf"], f"v{version}: the engine does not serve the whole model"
+        assert mine["report"] == theirs["report"] and mine["report"]["weight_version"] == version
+    assert lead["tp_refusal"] and lead["tp_refusal"] == other["tp_refusal"], lead["tp_refusal"]
+    assert lead["tp_refusal"].startswith("ValueError") and lead["version_after_tp_refusal"] == "12"
     # Rank 1 died inside a gather: rank 0's install failed typed before writing; the engine serves the last step.
     assert lead["rank_died"].startswith("InstallError"), lead["rank_died"]
     assert "before the model was touched" in lead["rank_died"], lead["rank_died"]
-    assert lead["version_after_death"] == str(len(lead["steps"]))
-    assert lead["after_death"] == lead["steps"][-1]["vllm"]
-    # A freshly started engine on the last gathered weights serves what the installed engine served.
+    assert lead["version_after_death"] == "12"
+    assert lead["after_death"] == lead["tp"][-1]["vllm"]
+    # A freshly started engine on the last FSDP2 weights serves what the installed engine served then.
     fresh = start_engine(tmp_path / "final", "float32")
     try:
         assert greedy_vllm(fresh) == lead["steps"][-1]["vllm"]

@@ -16,7 +16,7 @@ import torch.multiprocessing as mp
 
 from hotweights.core.errors import StaleWeightVersionError, WeightManifestValidationError
 from hotweights.core.report import InstallReport
-from hotweights.core.sharded import Gatherer, agree, follow, is_sharded
+from hotweights.core.sharded import Gatherer, agree, cut_of, follow, is_sharded
 
 
 def _port() -> int:
@@ -100,6 +100,30 @@ def _run(rank: int, port: int, results: Any) -> None:
             agree(items, version, leads)
         except (WeightManifestValidationError, ValueError) as exc:
             out.setdefault("refusals", []).append(type(exc).__name__)
+    # 4. Tensor-parallel chunks (plain tensors): rows cut on dim 0 (4 and 3 + 1 padding row), cols cut on dim 1.
+    full_rows = torch.arange(21, dtype=torch.float32).reshape(7, 3)
+    full_cols = torch.arange(24, dtype=torch.float32).reshape(4, 6)
+    rows = torch.cat([full_rows, torch.full((1, 3), -1.0)])[4 * rank : 4 * rank + 4]
+    chunks = [("rows", rows), ("cols", full_cols[:, 3 * rank : 3 * rank + 3]), ("norm", torch.ones(3))]
+    leader = agree(chunks, 9, rank == 0, tp=(rank, 2))
+    if rank == 0:
+        g = Gatherer(chunks, leader)
+        problems = g.cut({"rows": (7, 3), "cols": (4, 6), "norm": (3,)}, 2)
+        ph = dict(g.placeholders())
+        got = [g.load(n, ph[n]) for n in ("rows", "cols", "norm")]
+        out["cut"] = [
+            problems == [],
+            torch.equal(got[0], full_rows),
+            torch.equal(got[1], full_cols),
+            got[2] is ph["norm"],
+        ]
+        g.finish(_report(9))
+    else:
+        follow(chunks, leader)
+    try:
+        agree(chunks, 9, rank == 0, tp=(0, 2))  # both ranks claim tp_rank 0
+    except ValueError as exc:
+        out["misplaced"] = str(exc)
     results[rank] = out
     dist.destroy_process_group()
 
@@ -117,3 +141,14 @@ def test_leader_gathers_views_and_every_rank_ends_alike() -> None:
     assert other["errors"][0].startswith("StaleWeightVersionError: weight_version 6 is not newer")
     assert other["errors"][1] == "ValueError: bad option; nothing was written"
     assert lead["refusals"] == other["refusals"] == ["WeightManifestValidationError", "ValueError"]
+    assert lead["cut"] == [True, True, True, True]
+    assert lead["misplaced"] == other["misplaced"] and "rank(s) [1]" in other["misplaced"]
+
+
+def test_a_chunk_shape_names_its_cut() -> None:
+    assert cut_of((4, 3), (7, 3), 2) == 0  # the last chunk padded
+    assert cut_of((4, 3), (4, 6), 2) == 1
+    assert cut_of((3,), (3,), 2) is None  # replicated
+    for local in ((2, 3), (4, 2), (8, 3)):
+        with pytest.raises(ValueError, match="tensor-parallel chunks"):
+            cut_of(local, (7, 3) if local[1] == 3 else (4, 6), 2)

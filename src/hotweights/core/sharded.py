@@ -28,7 +28,7 @@ import bisect
 import hashlib
 import json
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -96,11 +96,12 @@ class _Posted(NamedTuple):
     full: torch.Tensor
     work: Any
     local: torch.Tensor | None  # this rank's padded chunk, kept alive until the gather is done
+    assemble: Callable[[], torch.Tensor] | None = None  # the tensor from the chunks, once they are in
 
     def result(self) -> torch.Tensor:
         if self.work is not None:
             self.work.wait()
-        return self.full
+        return self.full if self.assemble is None else self.assemble()
 
 
 def _gather(tensor: Any, dst: int, group: Any, index: int = -1, *, leads: bool) -> _Posted | None:
@@ -123,19 +124,62 @@ def _gather(tensor: Any, dst: int, group: Any, index: int = -1, *, leads: bool) 
     return _Posted(index, buffer[: tensor.shape[0]], work, local)  # torch.chunk fills the first ranks first
 
 
-def agree(items: Items, weight_version: int, leads: bool, group: Any = None) -> int:
+def _gather_cut(local: torch.Tensor, dim: int, shape: tuple[int, ...], dst: int, group: Any, index: int) -> _Posted:
+    """Start gathering equal per-rank chunks of a tensor cut along ``dim`` (a tensor-parallel shard, the last
+    chunk padded) on the leader: the chunks side by side along ``dim``, the padding cut off."""
+    local = local.contiguous()
+    world = dist.get_world_size(group)
+    buffer = torch.empty((world, *local.shape), dtype=local.dtype, device=local.device)
+    work = dist.gather(local, list(buffer.unbind(0)), dst=dst, group=group, async_op=True)
+    if dim == 0:  # the chunks are already side by side
+        return _Posted(index, buffer.view(world * local.shape[0], *local.shape[1:])[: shape[0]], work, local)
+
+    def assemble() -> torch.Tensor:
+        return torch.cat(list(buffer.unbind(0)), dim=dim).narrow(dim, 0, shape[dim]).contiguous()
+
+    return _Posted(index, buffer, work, local, assemble)
+
+
+def cut_of(local: tuple[int, ...], full: tuple[int, ...], size: int) -> int | None:
+    """The dimension along which a tensor of shape ``full`` was cut into ``size`` equal chunks of shape ``local``
+    (the last one padded), or None where it was not cut (``local == full``).
+
+    Raises:
+        ValueError: ``local`` is no such chunk of ``full``.
+    """
+    if local == full:
+        return None
+    cut = [d for d, (a, b) in enumerate(zip(local, full, strict=False)) if a != b]
+    if len(local) == len(full) and len(cut) == 1:
+        d = cut[0]
+        if local[d] * (size - 1) < full[d] <= local[d] * size:
+            return d
+    raise ValueError(f"shape {local} is not one of {size} tensor-parallel chunks of the engine's {full}")
+
+
+def agree(items: Items, weight_version: int, leads: bool, group: Any = None, tp: tuple[int, int] | None = None) -> int:
     """Check, on every rank at once, that all hold the same names, shapes and dtypes and the same version, and that
-    exactly one passed an engine; returns that rank (in ``group``).
+    exactly one passed an engine; returns that rank (in ``group``). ``tp``: this rank's ``(tp_rank, tp_size)``
+    for tensor-parallel chunks, which must be its rank in ``group`` and the group's size.
 
     Raises (the same error on every rank, nothing gathered or written):
         WeightManifestValidationError: the ranks' state dicts or versions differ.
-        ValueError: no rank, or more than one, passed an engine.
+        ValueError: no rank, or more than one, passed an engine; or a rank's ``tp`` is not its place in the group.
     """
-    mine = torch.tensor([*_fingerprint(items, weight_version), int(leads)], dtype=torch.uint8, device=_device(group))
-    rows = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    world = dist.get_world_size(group)
+    placed = tp is None or tp == (dist.get_rank(group), world)
+    digest = _fingerprint(items, weight_version)
+    mine = torch.tensor([*digest, int(leads), int(placed)], dtype=torch.uint8, device=_device(group))
+    rows = [torch.empty_like(mine) for _ in range(world)]
     dist.all_gather(rows, mine, group=group)
-    seen = [bytes(r[:-1].cpu().tolist()) for r in rows]
-    leaders = [i for i, r in enumerate(rows) if int(r[-1])]
+    misplaced = [i for i, r in enumerate(rows) if not int(r[-1])]
+    if misplaced:
+        raise ValueError(
+            f"WeightLayout(tp_rank, tp_size) must be each rank's place in the group (tp_rank = its rank, tp_size = "
+            f"the group's size {world}); rank(s) {misplaced[:8]} passed another. Nothing was written."
+        )
+    seen = [bytes(r[:-2].cpu().tolist()) for r in rows]
+    leaders = [i for i, r in enumerate(rows) if int(r[-2])]
     differ = [i for i, s in enumerate(seen) if s != seen[0]]
     if differ:
         problem = Mismatch(
@@ -171,6 +215,7 @@ class Gatherer:
                 self._index[id(meta)] = i
                 t = meta
             self._placeholders.append((name, t))
+        self._cuts: dict[int, tuple[int, tuple[int, ...]]] = {}  # index -> (dim, full shape) of a plain chunk
         self._sharded = sorted(self._index.values())
         self._held: tuple[int, torch.Tensor] | None = None
         self._ahead: _Posted | None = None
@@ -181,6 +226,28 @@ class Gatherer:
     def placeholders(self) -> list[tuple[str, torch.Tensor]]:
         """``(name, tensor)`` with every ``DTensor`` as a ``meta`` tensor of its global shape and dtype."""
         return list(self._placeholders)
+
+    def cut(self, full: Mapping[str, tuple[int, ...]], size: int) -> list[Mismatch]:
+        """Take the plain tensors as tensor-parallel chunks (``WeightLayout(tp_rank, tp_size=size)``): each one whose
+        shape is a ``1/size`` cut of the engine's ``full`` shape along one dimension becomes a placeholder of the
+        full shape, gathered from every rank's chunk; a tensor of the full shape is used as it is (replicated).
+        Returns the tensors that fit no cut (nothing is gathered then)."""
+        problems = []
+        for i, (name, t) in enumerate(self._placeholders):
+            if t.is_meta or name not in full:
+                continue  # a DTensor, or a name validation will report
+            try:
+                dim = cut_of(tuple(t.shape), tuple(full[name]), size)
+            except ValueError as exc:
+                problems.append(Mismatch("shape", name, expected=str(tuple(full[name])), actual=str(exc)))
+                continue
+            if dim is not None:
+                meta = torch.empty(full[name], dtype=t.dtype, device="meta")
+                self._index[id(meta)] = i
+                self._cuts[i] = (dim, tuple(full[name]))
+                self._placeholders[i] = (name, meta)
+        self._sharded = sorted(self._index.values())
+        return problems
 
     def unresolved(self, items: Items) -> list[str]:
         """Names in ``items`` (the placeholders as the engine will load them) whose data :meth:`load` cannot
@@ -219,7 +286,11 @@ class Gatherer:
     def _post(self, index: int) -> _Posted:
         self._command(index)
         self.gathers += 1
-        posted = _gather(self._sources[index][1], self._src, self._group, index, leads=True)
+        source = self._sources[index][1]
+        if index in self._cuts:
+            dim, shape = self._cuts[index]
+            return _gather_cut(source, dim, shape, self._src, self._group, index)
+        posted = _gather(source, self._src, self._group, index, leads=True)
         assert posted is not None
         return posted
 
@@ -257,6 +328,7 @@ def follow(items: Items, leader: int, group: Any = None) -> InstallReport:
         InstallError: a collective failed (the leader died, or the group broke); what the engine holds is unknown.
     """
     sources = list(items)
+    cls = _dtensor()
     src = dist.get_global_rank(group, leader) if group is not None else leader
     device = _device(group)
     cmd = torch.empty(1, dtype=torch.int64, device=device)
@@ -266,7 +338,11 @@ def follow(items: Items, leader: int, group: Any = None) -> InstallReport:
             index = int(cmd.item())
             if index == _END:
                 break
-            _gather(sources[index][1], src, group, leads=False)  # this rank's part; the leader keeps the tensor
+            source = sources[index][1]  # this rank's part; the leader keeps the tensor
+            if cls is not None and isinstance(source, cls):
+                _gather(source, src, group, leads=False)
+            else:  # a tensor-parallel chunk
+                dist.gather(source.contiguous(), None, dst=src, group=group)
         dist.broadcast(cmd, src=src, group=group)
         data = torch.empty(int(cmd.item()), dtype=torch.uint8, device=device)
         dist.broadcast(data, src=src, group=group)
