@@ -118,6 +118,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--bucket-bytes", type=int, default=64 << 10)
     parser.add_argument("--tp-models", default="", help="comma-separated model directories for the TP stage")
+    parser.add_argument("--engine-tp", type=int, default=1, help="the engine's tensor_parallel_size")
     args = parser.parse_args()
     rank, out = args.rank, Path(args.out)
 
@@ -129,9 +130,17 @@ def main() -> None:
     llm = adapter = None
     record: dict[str, Any] = {"rank": rank, "steps": []}
     if rank == 0:
-        llm = start_engine(args.model, "float32", multiprocess=True, worker_extension_cls=hotweights.WORKER_EXTENSION)
+        engine_options: dict[str, Any] = {"worker_extension_cls": hotweights.WORKER_EXTENSION}
+        if args.engine_tp > 1:  # one core per engine worker (vLLM-CPU binds its OpenMP threads)
+            cores = sorted(os.sched_getaffinity(0))
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(
+                str(cores[i % len(cores)]) for i in range(args.engine_tp)
+            )
+            engine_options["tensor_parallel_size"] = args.engine_tp
+        llm = start_engine(args.model, "float32", multiprocess=True, **engine_options)
         adapter = VLLMMultiprocessAdapter(llm, bucket_bytes=args.bucket_bytes)
         record["initial"] = greedy_vllm(llm)
+        record["engine_tp"] = llm.llm_engine.vllm_config.parallel_config.world_size
     dist.init_process_group(
         "gloo",
         init_method=f"tcp://127.0.0.1:{args.port}",

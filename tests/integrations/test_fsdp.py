@@ -34,7 +34,7 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _train(arch: str, tmp_path: Path) -> list[dict[str, Any]]:
+def _train(arch: str, tmp_path: Path, engine_tp: int = 1) -> list[dict[str, Any]]:
     model_dir = save_tiny_model(build_tiny_model(arch, seed=3), tmp_path / "initial")
     tp_models = [str(save_tiny_model(build_tiny_model(arch, seed=s), tmp_path / f"tp{s}")) for s in (11, 12)]
     port = _free_port()
@@ -44,6 +44,7 @@ def _train(arch: str, tmp_path: Path) -> list[dict[str, Any]]:
     for r in range(2):
         command = [sys.executable, "-m", "tests.integrations.fsdp_rank", "--rank", str(r), "--port", str(port)]
         command += ["--model", str(model_dir), "--out", str(tmp_path), "--tp-models", ",".join(tp_models)]
+        command += ["--engine-tp", str(engine_tp)]
         with logs[r].open("w") as log:  # files, not pipes: a rank must never block on a full pipe
             ranks.append(subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT))
     try:
@@ -56,11 +57,24 @@ def _train(arch: str, tmp_path: Path) -> list[dict[str, Any]]:
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
 
 
-# Qwen3-MoE in the default run: its fused experts reach the engine as views of each gathered tensor, which covers
-# the dense path too; Qwen2 alone runs under -m slow.
-@pytest.mark.parametrize("arch", [pytest.param("qwen2", marks=pytest.mark.slow), "qwen3_moe"])
-def test_fsdp2_ranks_install_their_shards(arch: str, tmp_path: Path) -> None:
-    lead, other = _train(arch, tmp_path)
+# Qwen3-MoE into a TP=1 engine in the default run: its fused experts reach the engine as views of each gathered
+# tensor, which covers the dense path too; Qwen2, and Qwen2 into a TP=2 engine, run under -m slow.
+@pytest.mark.parametrize(
+    ("arch", "engine_tp"),
+    [
+        pytest.param("qwen2", 1, marks=pytest.mark.slow),
+        pytest.param("qwen2", 2, marks=pytest.mark.slow),
+        ("qwen3_moe", 1),
+    ],
+    ids=["qwen2", "qwen2-engine-tp2", "qwen3_moe"],
+)
+def test_fsdp2_ranks_install_their_shards(arch: str, engine_tp: int, tmp_path: Path) -> None:
+    try:
+        lead, other = _train(arch, tmp_path, engine_tp)
+    finally:
+        for leftover in Path("/dev/shm").glob("vllm_dist_*cpushm*"):  # vLLM's own TP channel, left after shutdown
+            leftover.unlink(missing_ok=True)
+    assert lead["engine_tp"] == engine_tp
     assert lead["initial"] != lead["steps"][0]["vllm"], "the first step did not change the greedy output"
     for step, (mine, theirs) in enumerate(zip(lead["steps"], other["steps"], strict=True), start=1):
         assert mine["vllm"] == mine["hf"], f"step {step}: the engine does not serve the trainer's weights"
