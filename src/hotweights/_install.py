@@ -198,16 +198,17 @@ def install(
         >>> report = hotweights.install(llm, model.state_dict(), weight_version=step)  # doctest: +SKIP
         >>> print(report)                                                               # doctest: +SKIP
     """
-    if _collective(engine, tensors, options):
-        return _install_sharded(engine, tensors, weight_version, **options)
-    return _install(_sync_handle(engine), tensors, weight_version, **options)
+    items = _as_items(tensors)  # once: an iterator (model.named_parameters()) is read here
+    if _collective(engine, items, options):
+        return _install_sharded(engine, items, weight_version, **options)
+    return _install(_sync_handle(engine), items, weight_version, **options)
 
 
-def _collective(engine: Any, tensors: TensorsLike, options: Mapping[str, Any]) -> bool:
+def _collective(engine: Any, items: list[tuple[str, torch.Tensor]], options: Mapping[str, Any]) -> bool:
     """Whether this call is one rank's part of a sharded install: the other ranks' (no engine), ``DTensor``
     values, or tensor-parallel chunks (``layout`` with ``tp_size > 1``)."""
     layout = options.get("layout")
-    return engine is None or (layout is not None and not layout.is_full) or is_sharded(_as_items(tensors))
+    return engine is None or (layout is not None and not layout.is_full) or is_sharded(items)
 
 
 def _sync_handle(engine: Any) -> EngineHandle:
@@ -242,9 +243,10 @@ async def install_async(
 
         assert isinstance(handle, AsyncLLMHandle)
         handle.bind(asyncio.get_running_loop(), options.get("pause", "wait"))
-    if handle is None or _collective(handle, tensors, options):
-        return await asyncio.to_thread(_install_sharded, handle, tensors, weight_version, **options)
-    return await asyncio.to_thread(_install, handle, tensors, weight_version, **options)
+    items = _as_items(tensors)  # once: an iterator (model.named_parameters()) is read here
+    if handle is None or _collective(handle, items, options):
+        return await asyncio.to_thread(_install_sharded, handle, items, weight_version, **options)
+    return await asyncio.to_thread(_install, handle, items, weight_version, **options)
 
 
 def _install_sharded(
