@@ -148,7 +148,9 @@ def install(
             with the engine and the others with ``engine=None``; each tensor is gathered when the install sends it,
             never the whole model at once, and every rank returns the same report or raises the same error (see
             ``docs/trainers.md``).
-        group: the process group of a sharded install (default: the whole world).
+        group: the process group of a sharded install (default: the whole world). Passing it makes the call
+            collective even with plain tensors: every rank of ``group`` calls ``install``, the rank with the engine
+            installs its own tensors and the others (``engine=None``) return its report.
         layout: ``WeightLayout(tp_rank=r, tp_size=n)``: ``tensors`` are this rank's tensor-parallel chunks of the
             checkpoint's tensors (each cut along one dimension, the last chunk padded); the call is collective like a
             ``DTensor`` one, and the chunks are gathered into the engine's shapes (``docs/trainers.md``).
@@ -205,10 +207,11 @@ def install(
 
 
 def _collective(engine: Any, items: list[tuple[str, torch.Tensor]], options: Mapping[str, Any]) -> bool:
-    """Whether this call is one rank's part of a sharded install: the other ranks' (no engine), ``DTensor``
-    values, or tensor-parallel chunks (``layout`` with ``tp_size > 1``)."""
+    """Whether this call is one rank's part of a sharded install: the other ranks' (no engine), a ``group``,
+    ``DTensor`` values, or tensor-parallel chunks (``layout`` with ``tp_size > 1``)."""
     layout = options.get("layout")
-    return engine is None or (layout is not None and not layout.is_full) or is_sharded(items)
+    chunks = layout is not None and not layout.is_full
+    return engine is None or options.get("group") is not None or chunks or is_sharded(items)
 
 
 def _sync_handle(engine: Any) -> EngineHandle:
@@ -302,8 +305,6 @@ def _install(
 ) -> InstallReport:
     if adapter is not None and getattr(adapter, "engine", handle) is not handle:
         raise ValueError("adapter= was built on another engine than the one passed to install; build it on this one")
-    if group is not None and gatherer is None:
-        raise ValueError("group= is for a sharded install (DTensor values, or engine=None on the other ranks)")
     handle.check_pause_mode(pause)
     chosen = adapter or adapter_for(handle)
     fields: dict[str, Any] = {"update_id": update_id, "layout": layout, "metadata": metadata}

@@ -152,3 +152,18 @@ def test_a_chunk_shape_names_its_cut() -> None:
     for local in ((2, 3), (4, 2), (8, 3)):
         with pytest.raises(ValueError, match="tensor-parallel chunks"):
             cut_of(local, (7, 3) if local[1] == 3 else (4, 6), 2)
+
+
+def test_which_calls_are_collective() -> None:
+    """A call joins the other ranks when it has no engine, a group, a tensor-parallel layout or DTensor values; a
+    plain install from the engine's process never waits for other ranks."""
+    from hotweights import WeightLayout
+    from hotweights._install import _collective
+
+    plain = [("w", torch.ones(2))]
+    engine = object()
+    assert not _collective(engine, plain, {})
+    assert not _collective(engine, plain, {"layout": WeightLayout()})
+    assert _collective(None, plain, {})
+    assert _collective(engine, plain, {"group": object()})
+    assert _collective(engine, plain, {"layout": WeightLayout(tp_rank=1, tp_size=2)})
