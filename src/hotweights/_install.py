@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal, TypedDict
 
@@ -382,8 +383,7 @@ def _gathered_update(
             "by a copy, not a view, which a sharded install cannot gather tensor by tensor; call full_tensor() on "
             "each DTensor and install from one rank. Nothing was written."
         )
-    names = [n for n, _ in items]
-    repeated = sorted({n for n in names if names.count(n) > 1})
+    repeated = sorted(n for n, seen in Counter(n for n, _ in items).items() if seen > 1)
     if repeated:
         raise WeightManifestValidationError(
             [Mismatch("manifest", n, actual="name appears more than once") for n in repeated]

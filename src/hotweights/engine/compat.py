@@ -333,20 +333,26 @@ def on_shutdown(llm: Any, callback: Callable[[], object]) -> bool:
     if core is None or not callable(getattr(core, "shutdown", None)):
         return False
     pending: list[Callable[[], object]] = attach.value(llm, "on_shutdown", list)
-
-    def wrap(shutdown: Any) -> Any:
-        @functools.wraps(shutdown)
-        def shutdown_then_release(*args: Any, **kwargs: Any) -> Any:
-            try:
-                return shutdown(*args, **kwargs)
-            finally:
-                release(pending)
-
-        return shutdown_then_release
-
-    attach.patch(llm, core, "shutdown", wrap)
+    attach.patch(llm, core, "shutdown", _then(lambda: release(pending)))
     pending.append(callback)
     return True
+
+
+def _then(after: Callable[[], object]) -> Callable[[Any], Any]:
+    """A wrap (for :func:`hotweights.core.attach.patch`) that runs ``after()`` once the wrapped call returned or
+    raised."""
+
+    def wrap(method: Any) -> Any:
+        @functools.wraps(method)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return method(*args, **kwargs)
+            finally:
+                after()
+
+        return call
+
+    return wrap
 
 
 def release(pending: list[Callable[[], object]]) -> None:
@@ -633,28 +639,13 @@ def _gate_requests(llm: Any, gate: ServingGate) -> None:
 
         return add_request
 
-    def then(after: Callable[[], None]) -> Callable[[Any], Any]:
-        """A wrap that runs ``after()`` once the wrapped call returned or raised."""
-
-        def wrap(method: Any) -> Any:
-            @functools.wraps(method)
-            def call(*args: Any, **kwargs: Any) -> Any:
-                try:
-                    return method(*args, **kwargs)
-                finally:
-                    after()
-
-            return call
-
-        return wrap
-
     def leave_then_release() -> None:
         gate.leave()
         release_if_idle()
 
     attach.patch(llm, engine, "add_request", gated_add)
-    attach.patch(llm, engine, "step", then(release_if_idle))
-    attach.patch(llm, llm, "_run_engine", then(leave_then_release))
+    attach.patch(llm, engine, "step", _then(release_if_idle))
+    attach.patch(llm, llm, "_run_engine", _then(leave_then_release))
 
 
 # ------------------------------------------------------------------------------------------- fixes inside vLLM

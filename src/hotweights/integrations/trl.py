@@ -107,15 +107,18 @@ class TRLWeightSync:
         if self.target is None:
             return None
         version = int(self.trainer.state.global_step)
-        last = self.last_report
-        # TRL re-pushes the same step after sleep level 2 discarded the weights: the same version is legitimate.
-        force = bool(self.options.get("force", False)) or (last is not None and last.weight_version == version)
-        options = {**self.options, "force": force}
+        options = {**self.options, "force": self._force(version)}
         if self.dtype is not None:  # the rest is cast bucket by bucket as it is sent
             options.setdefault("cast", self.dtype)
         report = install(self.target, tensors, weight_version=version, **options)
         self.reports.append(report)
         return report
+
+    def _force(self, version: int) -> bool:
+        """The ``force`` of an install at ``version``: the caller's, or True when the last install was this same
+        step (TRL re-pushes it after sleep level 2 discarded the weights: the same version is legitimate)."""
+        last = self.last_report
+        return bool(self.options.get("force", False)) or (last is not None and last.weight_version == version)
 
     def _sync_adapter(self) -> InstallReport:
         """The adapter alone, as PEFT saves it, versioned ``trainer.state.global_step``; the engine already holds
@@ -125,9 +128,8 @@ class TRLWeightSync:
         model = self.trainer.accelerator.unwrap_model(self.generation.model)
         adapter = {k: v.detach().clone() for k, v in get_peft_model_state_dict(model).items()}
         version = int(self.trainer.state.global_step)
-        last = self.last_report
         options = {k: v for k, v in self.options.items() if k in _LORA_OPTIONS}
-        options["force"] = bool(options.get("force", False)) or (last is not None and last.weight_version == version)
+        options["force"] = self._force(version)
         config = model.peft_config[model.active_adapter]
         report = install_lora(self.target, adapter, name=LORA_NAME, weight_version=version, config=config, **options)
         self.reports.append(report)
