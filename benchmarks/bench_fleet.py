@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 import hotweights
-from hotweights.adapters._vllm import VLLMSessionAdapter
+from hotweights.adapters.installer import VLLMSessionAdapter
 from hotweights.fleet import Calibration, estimate
 from hotweights.testing import PROMPTS, build_tiny_model, greedy_hf, greedy_vllm, start_engine, stop_engine
 

@@ -95,7 +95,7 @@ from hotweights.testing import (
     stop_engine,
 )
 from hotweights.transports import shm
-from hotweights.transports.base import Stage
+from hotweights.transports.transport import Stage
 
 PROFILES = {"ci": 20, "long": 200}
 KINDS = ("in-process", "multiprocess", "fleet", "async", "killed")

@@ -1,12 +1,12 @@
 """The vLLM contract: every vLLM internal hotweights relies on, and a checker that reads vLLM's source for them.
 
 :data:`CONTRACT` lists each module, class, function, method, attribute, literal and HTTP route that
-:mod:`~hotweights.engine.compat`, :mod:`~hotweights.engine.direct`, :mod:`~hotweights.engine.worker_ops`,
-:mod:`~hotweights.engine.readback`, :mod:`~hotweights.engine.transfer_engine`, :mod:`~hotweights.engine.vllm_plugin`
+:mod:`~hotweights.vllm.compat`, :mod:`~hotweights.vllm.worker.setter`, :mod:`~hotweights.vllm.worker.ops`,
+:mod:`~hotweights.vllm.worker.readback`, :mod:`~hotweights.vllm.worker.transfer_backend`, :mod:`~hotweights.vllm.plugin`
 and the engine handles reach, with the parameters hotweights passes and the hotweights function that needs it.
 :func:`check` parses the source with :mod:`ast` only: vLLM is never imported, so a wheel built for any platform
 (downloaded with ``pip download --no-deps``) can be checked on any machine. It needs the standard library,
-``packaging``, and :data:`hotweights.engine.compat.VLLM_FIXES` (the vLLM versions each mend of vLLM's reload is for:
+``packaging``, and :data:`hotweights.vllm.compat.VLLM_FIXES` (the vLLM versions each mend of vLLM's reload is for:
 the entries of what a mend patches hold over that range; compat imports without vLLM).
 
 Run it from the repository root (a tool of the repository, not part of the installed package)::
@@ -35,7 +35,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Literal
 
-from hotweights.engine.compat import VLLM_FIXES
+from hotweights.vllm.compat import VLLM_FIXES
 
 __all__ = ["CONTRACT", "Entry", "Result", "SourceTree", "check", "download_wheel", "installed_source", "main"]
 
@@ -662,7 +662,7 @@ CONTRACT: tuple[Entry, ...] = (
         _WORKER,
         "Worker.shutdown_weight_transfer_engine",
         "method",
-        "adapters._wires.TransferAPIWire (leave_group)",
+        "adapters.wires.TransferAPIWire (leave_group)",
         "releases a trainer's collective group (0.31 has none: compat.worker_lacks answers it)",
         vllm=">=0.32",
     ),

@@ -15,6 +15,7 @@ Example:
 
 from typing import Any as _Any
 
+import hotweights._moved  # noqa: F401 - old module spellings (hotweights.engine.worker_extension, ...) resolve
 from hotweights import adapters as _adapters
 from hotweights._install import adapter_for, detach, install, install_async
 from hotweights._lora import install_lora, install_lora_async, lora_request
@@ -40,10 +41,10 @@ from hotweights.core.errors import (
 from hotweights.core.layout import WeightLayout
 from hotweights.core.manifest import ExpectedWeights, TensorSpec, WeightUpdateManifest
 from hotweights.core.report import InstallReport
-from hotweights.engine.compat import WORKER_EXTENSION
 from hotweights.fleet import Fleet
 from hotweights.handles.remote import connect
 from hotweights.versions import weight_version_of, weight_versions_of
+from hotweights.vllm.compat import WORKER_EXTENSION
 
 __version__ = "0.1.0"
 

@@ -20,8 +20,8 @@ import torch
 from hotweights.core.errors import EngineNotSupportedError, UnprovenFamilyError
 from hotweights.core.families import FamilyCheck, Unproven, is_proven
 from hotweights.core.probe import ProbeReference, reference
-from hotweights.engine import compat
 from hotweights.handles import EngineHandle
+from hotweights.vllm import compat
 
 __all__ = ["check_family", "unproven_default"]
 
@@ -38,7 +38,7 @@ def check_mends(handle: EngineHandle) -> None:
     """Refuse before writing when the engine's model needs a mend of vLLM's reload that is not in place where its
     workers run (e.g. hotweights' vLLM plugin kept out by ``VLLM_PLUGINS``, or a runner the mend does not reach).
 
-    Only the mends this vLLM needs count (:func:`~hotweights.engine.compat.vllm_needs_fix`): a model that needs a mend
+    Only the mends this vLLM needs count (:func:`~hotweights.vllm.compat.vllm_needs_fix`): a model that needs a mend
     on another vLLM installs unmended here.
 
     Raises:
@@ -90,6 +90,8 @@ def check_family(
     mode = unproven_default() if unproven is None else unproven
     if mode not in get_args(Unproven):
         raise ValueError(f"unproven must be one of {get_args(Unproven)}, not {mode!r}")
+    if not handle.guards_family:
+        return FamilyCheck(handle.kind, f"not guarded: {handle.describe()} serves the tensors it stores")
     check_mends(handle)
     arch, vllm, device = _identity(handle)
     where = f"vLLM {vllm or '?'} on {device or '?'}"

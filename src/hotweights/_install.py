@@ -4,17 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import threading
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal, TypedDict
 
 from hotweights._family import check_family
-from hotweights.adapters.base import WeightInstallAdapter
-from hotweights.adapters.inprocess import VLLMInProcessWeightReloadAdapter
-from hotweights.adapters.multiprocess import VLLMMultiprocessAdapter
-from hotweights.adapters.native import VLLMWeightTransferAdapter
-from hotweights.adapters.weights_path import VLLMWeightsPathAdapter
+from hotweights.adapters.contract import WeightInstallAdapter
+from hotweights.adapters.registry import adapter_for, adapter_of, cached_adapter
 from hotweights.core import attach
 from hotweights.core.cast import Cast, CastItems
 from hotweights.core.errors import (
@@ -29,65 +25,14 @@ from hotweights.core.manifest import MetadataValue, TensorsLike, TensorSpec, Wei
 from hotweights.core.names import to_checkpoint
 from hotweights.core.report import InstallReport
 from hotweights.core.sharded import Gatherer, agree, follow, is_sharded
-from hotweights.engine import compat
-from hotweights.engine.vllm_plugin import BACKEND
 from hotweights.handles import EngineHandle, PauseMode, as_engine
+from hotweights.vllm import compat
 
 if TYPE_CHECKING:
     import torch
     from typing_extensions import Unpack
 
 __all__ = ["InstallOptions", "adapter_for", "detach", "install", "install_async"]
-
-# The adapter lives on the engine handle (itself kept on the engine object): a registry keyed by the engine would
-# keep every engine alive. When the user drops the engine, all three go together.
-_ATTR = "_hotweights_adapter"
-
-
-def _engine_lock(handle: EngineHandle) -> threading.Lock:
-    """The lock that builds ``handle``'s adapter once: one per engine, so building one engine's adapter (checkpoint
-    headers, a remote status call) never stalls another engine's first install."""
-    lock: threading.Lock = handle.shared("_hotweights_adapter_lock", threading.Lock)
-    return lock
-
-
-def adapter_for(engine: Any) -> WeightInstallAdapter:
-    """The adapter that fits ``engine``, created on first use and kept for the engine's lifetime (it holds the
-    active version).
-
-    ``engine`` is a ``vllm.LLM``, an ``AsyncLLM`` or an :class:`~hotweights.handles.EngineHandle`. The choice:
-
-    - workers in this process: :class:`VLLMInProcessWeightReloadAdapter` with ``install_method="auto"`` (tensors
-      by reference; the direct setter where its plan proves it safe, else vLLM's layerwise reload);
-    - started with ``worker_extension_cls=hotweights.WORKER_EXTENSION``: :class:`VLLMMultiprocessAdapter`
-      (bucketed shm staging, all-or-nothing commit);
-    - started with ``weight_transfer_config={"backend": "hotweights"}``: :class:`VLLMWeightTransferAdapter`;
-    - anything else on this host: :class:`VLLMWeightsPathAdapter`, through vLLM's built-in
-      ``reload_weights(weights_path=...)``.
-    """
-    handle = as_engine(engine)
-    adapter: WeightInstallAdapter | None = getattr(handle, _ATTR, None)
-    if adapter is not None:
-        return adapter
-    with _engine_lock(handle):
-        adapter = getattr(handle, _ATTR, None)
-        if adapter is None:
-            if handle.inprocess:
-                adapter = VLLMInProcessWeightReloadAdapter(handle, install_method="auto")
-            elif handle.worker_extension == compat.WORKER_EXTENSION:
-                adapter = VLLMMultiprocessAdapter(handle, transport=handle.default_transport)
-            elif handle.weight_transfer_backend == BACKEND:
-                adapter = VLLMWeightTransferAdapter(handle, transport=handle.default_transport)
-            elif handle.same_host:
-                adapter = VLLMWeightsPathAdapter(handle)
-            else:
-                raise EngineNotSupportedError(
-                    f"{handle.describe()} runs on another host and was started with neither hotweights' worker "
-                    f"extension nor its weight-transfer backend; start it with --worker-extension-cls "
-                    f'{compat.WORKER_EXTENSION} or --weight-transfer-config \'{{"backend": "{BACKEND}"}}\''
-                )
-            setattr(handle, _ATTR, adapter)
-        return adapter
 
 
 def detach(engine: Any) -> int:
@@ -101,7 +46,7 @@ def detach(engine: Any) -> int:
     engine).
     """
     handle = attach.get(engine, "handle")
-    adapter = getattr(handle, _ATTR, None) if handle is not None else None
+    adapter = cached_adapter(handle) if handle is not None else None
     if adapter is not None:
         adapter.close()
     compat.release(attach.get(engine, "on_shutdown") or [])
@@ -307,7 +252,7 @@ def _install(
     if adapter is not None and getattr(adapter, "engine", handle) is not handle:
         raise ValueError("adapter= was built on another engine than the one passed to install; build it on this one")
     handle.check_pause_mode(pause)
-    chosen = adapter or adapter_for(handle)
+    chosen = adapter or adapter_of(handle)
     fields: dict[str, Any] = {"update_id": update_id, "layout": layout, "metadata": metadata}
     items: Sequence[tuple[str, torch.Tensor]]
     if gatherer is None:

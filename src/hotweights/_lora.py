@@ -35,10 +35,10 @@ from hotweights.core.errors import (
 from hotweights.core.lora import adapter_config, lora_items, lora_mismatches
 from hotweights.core.manifest import TensorsLike
 from hotweights.core.report import InstallReport, PhaseTimer
-from hotweights.engine import compat
 from hotweights.handles import EngineHandle, PauseMode, as_engine
 from hotweights.telemetry import log_report
 from hotweights.transports.shm import SHM_DIR
+from hotweights.vllm import compat
 
 __all__ = ["install_lora", "install_lora_async", "lora_request"]
 

@@ -34,8 +34,6 @@ import os
 import sys
 from collections.abc import Iterable, Mapping, Sequence
 
-from hotweights.engine.compat import WORKER_EXTENSION
-from hotweights.engine.vllm_plugin import BACKEND
 from hotweights.serve_guard import (
     DEFAULT_MAX_RPC_TIMEOUT,
     HOSTS_ENV,
@@ -46,6 +44,8 @@ from hotweights.serve_guard import (
     GuardConfig,
     split_hosts,
 )
+from hotweights.vllm.compat import WORKER_EXTENSION
+from hotweights.vllm.plugin import BACKEND
 
 __all__ = ["GUARD", "main", "server_command", "server_env"]
 

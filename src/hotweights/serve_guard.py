@@ -4,7 +4,7 @@ may make the engine do through ``/collective_rpc``.
 ``python -m hotweights.serve`` installs it; on a server started otherwise, add it the same way::
 
     HOTWEIGHTS_TOKEN=... VLLM_SERVER_DEV_MODE=1 python -m vllm.entrypoints.openai.api_server --model DIR \\
-        --worker-extension-cls hotweights.engine.worker_extension.HotWeightsWorkerExtension \\
+        --worker-extension-cls hotweights.vllm.worker.extension.HotWeightsWorkerExtension \\
         --middleware hotweights.serve_guard.HotWeightsGuard
 
 What it does, before vLLM sees the request:

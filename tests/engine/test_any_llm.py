@@ -24,7 +24,7 @@ from hotweights import (
 )
 from hotweights.adapters import VLLMInProcessWeightReloadAdapter, VLLMMultiprocessAdapter, weights_path
 from hotweights.core.families import is_proven
-from hotweights.engine import compat
+from hotweights.vllm import compat
 
 from .conftest import PROMPTS, TinyCheckpoint, Variant, greedy_vllm, our_shm, start_engine, stop_engine
 

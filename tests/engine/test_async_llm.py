@@ -27,8 +27,8 @@ from hotweights import (
 )
 from hotweights.adapters import weights_path
 from hotweights.core.families import is_proven
-from hotweights.engine import compat
 from hotweights.testing import EventLoopThread, start_async_engine
+from hotweights.vllm import compat
 
 from .conftest import PROMPTS, TinyCheckpoint, Variant, our_shm
 

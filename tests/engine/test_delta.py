@@ -19,11 +19,11 @@ import hotweights
 from hotweights import DeltaBaseMismatchError, InstallError, WeightUpdateManifest
 from hotweights.adapters import VLLMInProcessWeightReloadAdapter, VLLMMultiprocessAdapter
 from hotweights.core.buckets import Bucket
-from hotweights.engine import compat
-from hotweights.engine.worker_ops import reload_checkpoint_tensors
 from hotweights.handles.llm import LLMHandle
 from hotweights.testing import greedy_hf
 from hotweights.transports import EngineLink, Stage, WeightTransport, make_transport
+from hotweights.vllm import compat
+from hotweights.vllm.worker.ops import reload_checkpoint_tensors
 
 from .conftest import TinyCheckpoint, Variant, greedy_vllm, start_engine, stop_engine
 

@@ -13,7 +13,7 @@ import torch
 from hotweights import WeightManifestValidationError, WeightUpdateManifest
 from hotweights.adapters import VLLMDirectSetterAdapter
 from hotweights.core.placement import place
-from hotweights.engine.direct import model_slots
+from hotweights.vllm.worker.setter import model_slots
 
 from .conftest import TinyCheckpoint, Variant, greedy_vllm, start_engine, stop_engine
 

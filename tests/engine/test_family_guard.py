@@ -12,7 +12,7 @@ import torch
 import hotweights
 from hotweights.adapters import VLLMInProcessWeightReloadAdapter
 from hotweights.core import families
-from hotweights.engine import compat
+from hotweights.vllm import compat
 
 from .conftest import TinyCheckpoint, Variant, greedy_vllm, start_engine, stop_engine
 

@@ -16,9 +16,9 @@ import hotweights
 import hotweights.transports
 from hotweights import WeightUpdateManifest
 from hotweights.adapters import VLLMDirectSetterAdapter, VLLMMultiprocessAdapter
-from hotweights.engine import compat
-from hotweights.engine.direct import direct_refusals
 from hotweights.testing import build_tiny_model, greedy_hf, save_tiny_model
+from hotweights.vllm import compat
+from hotweights.vllm.worker.setter import direct_refusals
 
 from .conftest import TinyCheckpoint, Variant, greedy_vllm, start_engine, stop_engine
 

@@ -23,7 +23,7 @@ from hotweights import (
     PartialUpdateError,
     WeightManifestValidationError,
 )
-from hotweights.adapters._vllm import VLLMSessionAdapter
+from hotweights.adapters.installer import VLLMSessionAdapter
 from hotweights.testing import EventLoopThread, start_async_engine
 
 from .conftest import TinyCheckpoint, Variant, greedy_vllm, our_shm, start_engine, stop_engine

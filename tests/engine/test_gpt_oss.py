@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 import hotweights
-from hotweights.engine import compat
+from hotweights.vllm import compat
 
 from .conftest import TinyCheckpoint, Variant, greedy_vllm, start_engine, stop_engine
 

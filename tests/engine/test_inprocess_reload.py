@@ -13,9 +13,9 @@ import torch
 import hotweights
 from hotweights import StaleWeightVersionError, WeightManifestValidationError, WeightUpdateManifest
 from hotweights.adapters import VLLMInProcessWeightReloadAdapter
-from hotweights.engine import worker_ops
-from hotweights.engine.worker_ops import reload_checkpoint_tensors
 from hotweights.testing import build_tiny_model
+from hotweights.vllm.worker import ops as worker_ops
+from hotweights.vllm.worker.ops import reload_checkpoint_tensors
 
 from .conftest import PROMPTS, TinyCheckpoint, Variant, greedy_vllm, start_engine, stop_engine
 

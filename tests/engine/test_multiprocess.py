@@ -32,10 +32,10 @@ from hotweights.adapters import VLLMMultiprocessAdapter
 from hotweights.core import envelope
 from hotweights.core.buckets import Bucket, plan_buckets
 from hotweights.core.delta import DeltaBase
-from hotweights.engine.session import SessionOptions
 from hotweights.testing import build_tiny_model, save_tiny_model
 from hotweights.transports import EngineLink, Stage, WeightTransport, make_transport
 from hotweights.transports.shm import SHM_DIR, sweep_stale
+from hotweights.vllm.worker.session import SessionOptions
 
 from .conftest import TinyCheckpoint, Variant, greedy_vllm, our_shm, start_engine, stop_engine
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import hotweights
-from hotweights.engine import compat
+from hotweights.vllm import compat
 
 from .conftest import greedy_vllm, start_engine, stop_engine
 

@@ -17,8 +17,8 @@ import torch
 import hotweights
 from hotweights import InstallError, PartialUpdateError, WeightUpdateManifest
 from hotweights.adapters import VLLMDirectSetterAdapter, VLLMMultiprocessAdapter
-from hotweights.engine import compat
-from hotweights.engine import direct as direct_engine
+from hotweights.vllm import compat
+from hotweights.vllm.worker import setter as direct_engine
 
 from .conftest import TinyCheckpoint, Variant, greedy_vllm, start_engine, stop_engine
 
@@ -115,16 +115,15 @@ def test_workers_read_back_what_holds_data_and_fail_closed_on_a_mismatch(
         assert greedy_vllm(llm) == b.hf
         hotweights.install(llm, a.state_dict(), weight_version=2)
         assert greedy_vllm(llm) == a.hf
-        adapter = VLLMMultiprocessAdapter(llm)
         for version, method in enumerate(("auto", "reload"), start=3):
-            adapter.install_method = method
+            adapter = VLLMMultiprocessAdapter(llm, install_method=method)
             report = hotweights.install(llm, sd, weight_version=version, verify=True, adapter=adapter)
             assert report.install_method == ("direct" if method == "auto" else "reload")
             assert report.readback_unreadable == LINEAR_PER_LAYER * layers  # packed by vLLM: no data to read
             assert report.readback_verified == len(sd) - LINEAR_PER_LAYER * layers
             assert greedy_vllm(llm) == b.hf
 
-        adapter.install_method = "auto"
+        adapter = VLLMMultiprocessAdapter(llm)
         monkeypatch.setattr(
             direct_engine, "apply_direct", _corrupting(direct_engine.apply_direct, _flip_the_final_norm)
         )

@@ -13,10 +13,10 @@ import pytest
 
 import hotweights
 import hotweights.handles
-from hotweights.engine.session import PROTOCOL
-from hotweights.engine.vllm_plugin import BACKEND
 from hotweights.handles.remote import RemoteHandle
 from hotweights.transports.shm import SHM_DIR
+from hotweights.vllm.plugin import BACKEND
+from hotweights.vllm.worker.session import PROTOCOL
 
 EXT = hotweights.WORKER_EXTENSION
 

@@ -10,9 +10,9 @@ import pytest
 
 import hotweights
 import hotweights.adapters
-from hotweights.engine.vllm_plugin import BACKEND
 from hotweights.handles.remote import RemoteHandle
 from hotweights.testing import PROMPTS
+from hotweights.vllm.plugin import BACKEND
 from tests.remote.server import Server, start_server
 
 pytestmark = pytest.mark.engine

@@ -20,8 +20,8 @@ import pytest
 
 import hotweights
 import hotweights.adapters
-from hotweights.engine.session import PROTOCOL
 from hotweights.testing import PROMPTS, build_tiny_model, greedy_hf, save_tiny_model
+from hotweights.vllm.worker.session import PROTOCOL
 from tests.remote.server import CPU_FLAGS, Server, free_port, serving
 
 pytestmark = pytest.mark.engine

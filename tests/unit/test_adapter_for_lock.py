@@ -9,11 +9,11 @@ from typing import Any
 import pytest
 
 import hotweights
-from hotweights import _install
+from hotweights.adapters import inprocess
 
 
 def test_a_slow_adapter_build_does_not_block_another_engine(monkeypatch: pytest.MonkeyPatch) -> None:
-    from hotweights.handles.base import EngineHandle
+    from hotweights.handles.handle import EngineHandle
 
     started, release = threading.Event(), threading.Event()
     built: list[str] = []
@@ -36,7 +36,7 @@ def test_a_slow_adapter_build_does_not_block_another_engine(monkeypatch: pytest.
         built.append(handle.name)
         return object()
 
-    monkeypatch.setattr(_install, "VLLMInProcessWeightReloadAdapter", build)
+    monkeypatch.setattr(inprocess, "VLLMInProcessWeightReloadAdapter", build)
     slow, fast = Handle("slow"), Handle("fast")
     t = threading.Thread(target=hotweights.adapter_for, args=(slow,))
     t.start()

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from hotweights import ExpectedWeights, TensorSpec, WeightManifestValidationError, WeightUpdateManifest
-from hotweights.adapters.base import WeightInstallAdapter
+from hotweights.adapters.contract import WeightInstallAdapter
 from hotweights.core.buckets import pack_into, plan_buckets
 from hotweights.core.cast import CastItems, cast_targets, item_names, lazy_mapping
 from hotweights.core.report import PhaseTimer

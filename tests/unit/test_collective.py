@@ -17,10 +17,10 @@ import torch
 from hotweights import HotWeightsError, HotWeightsTimeoutError, InstallError, WeightUpdateManifest
 from hotweights.core import attach
 from hotweights.core.buckets import plan_buckets, unpack
-from hotweights.engine.session import SessionOptions
-from hotweights.engine.worker_extension import HotWeightsWorkerExtension
 from hotweights.transports import EngineLink
 from hotweights.transports import collective as coll
+from hotweights.vllm.worker.extension import HotWeightsWorkerExtension
+from hotweights.vllm.worker.session import SessionOptions
 
 
 class FakeWorker(HotWeightsWorkerExtension):

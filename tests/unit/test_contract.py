@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from hotweights.engine import compat
+from hotweights.vllm import compat
 from tools import vllm_contract as contract
 from tools.vllm_contract import CONTRACT, Entry, Result, check, main
 

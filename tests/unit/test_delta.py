@@ -19,6 +19,7 @@ from hotweights import (
     WeightUpdateManifest,
 )
 from hotweights.adapters import WeightInstallAdapter
+from hotweights.adapters.options import PathAbilities
 from hotweights.core.delta import (
     DeltaBase,
     DeltaManifest,
@@ -342,8 +343,9 @@ class DictDeltaAdapter(WeightInstallAdapter):
         self.weights.update((n, t.clone()) for n, t in items)
         self.sent.append([n for n, _ in items])
 
-    def _delta_refusal(self) -> str | None:
-        return None
+    @property
+    def abilities(self) -> PathAbilities:
+        return PathAbilities(self.label, deltas=True)
 
     def _install_delta(
         self, manifest: WeightUpdateManifest, delta: EncodedDelta, staged: StagedDelta, timer: PhaseTimer

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-from hotweights.adapters._wires import ExtensionWire, TransferAPIWire
+from hotweights.adapters.wires import ExtensionWire, TransferAPIWire
 from hotweights.core import envelope
 from hotweights.core import errors as errors_module
 from hotweights.core.delta import DeltaBase
@@ -30,8 +30,8 @@ from hotweights.core.errors import (
     WeightManifestValidationError,
     WeightVersionUnknownError,
 )
-from hotweights.engine.session import SessionOptions
-from hotweights.engine.worker_extension import HotWeightsWorkerExtension
+from hotweights.vllm.worker.extension import HotWeightsWorkerExtension
+from hotweights.vllm.worker.session import SessionOptions
 
 #: A message that the string parsing this envelope replaced misread: a ": " and a "serving " in odd places.
 ODD = "serving v3: the engine's worker said: 'serving ' is not a version; DeltaBaseMismatchError: serving v1"
@@ -272,7 +272,7 @@ class VLLMWorker:
     """vLLM's worker methods of the weight-transfer API, over hotweights' backend."""
 
     def __init__(self) -> None:
-        from hotweights.engine.transfer_engine import HotWeightsTransferEngine
+        from hotweights.vllm.worker.transfer_backend import HotWeightsTransferEngine
 
         config = SimpleNamespace(parallel_config=SimpleNamespace(rank=0), model_config=None)
         self.engine = HotWeightsTransferEngine(None, config, torch.device("cpu"), None)

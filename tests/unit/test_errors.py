@@ -190,7 +190,7 @@ def test_errors_are_raisable_and_catchable_at_root() -> None:
 def test_an_untested_vllm_is_warned_about_once(monkeypatch: pytest.MonkeyPatch) -> None:
     import importlib.metadata as metadata
 
-    from hotweights.engine import compat
+    from hotweights.vllm import compat
 
     monkeypatch.setattr(compat, "_WARNED", set())
     monkeypatch.setattr(metadata, "version", lambda dist: "0.40.1")

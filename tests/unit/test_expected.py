@@ -13,7 +13,7 @@ from safetensors.torch import save_file
 from hotweights import Mismatch, WeightManifestValidationError, WeightUpdateManifest
 from hotweights.core import envelope
 from hotweights.core.envelope import engine_refusal
-from hotweights.engine.expected import check_manifest, checkpoint_dir, expected_from_config
+from hotweights.vllm.expected import check_manifest, checkpoint_dir, expected_from_config
 
 
 def _checkpoint(directory: Path) -> dict[str, torch.Tensor]:

@@ -76,9 +76,9 @@ MOVED = {
 
 #: Exports that are type aliases (no runtime ``__doc__``): the module whose source documents them.
 ALIAS_HOMES = {
-    "PrefixCachePolicy": "hotweights.adapters.base",
-    "PauseMode": "hotweights.handles.base",
-    "WORKER_EXTENSION": "hotweights.engine.compat",
+    "PrefixCachePolicy": "hotweights.adapters.contract",
+    "PauseMode": "hotweights.handles.handle",
+    "WORKER_EXTENSION": "hotweights.vllm.compat",
 }
 
 

@@ -38,8 +38,8 @@ from hotweights import (
 from hotweights.adapters import WeightInstallAdapter
 from hotweights.core.buckets import ALIGNMENT, Bucket, pack_into, plan_buckets
 from hotweights.core.report import PhaseTimer
-from hotweights.engine.staging import StagingArea
 from hotweights.transports import available_transports
+from hotweights.vllm.worker.staging import StagingArea
 
 #: Only the deadline is set here; max_examples and health checks come from the active profile.
 FUZZ = settings(deadline=None)

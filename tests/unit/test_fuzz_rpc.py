@@ -9,7 +9,7 @@ int beyond 64 bits or nesting deeper than the encoder allows never leaves the AP
 ``getattr(worker, method)(*args, **kwargs)`` (vLLM's ``run_method``). A trainer driving a multiprocess ``vllm.LLM``
 from Python takes the same msgpack hop, with ``bytes`` allowed: both wires are fuzzed.
 
-The worker is a :class:`~hotweights.engine.worker_extension.HotWeightsWorkerExtension` whose ``vllm_config`` names a
+The worker is a :class:`~hotweights.vllm.worker.extension.HotWeightsWorkerExtension` whose ``vllm_config`` names a
 tiny safetensors checkpoint (so ``check_manifest`` runs for real) and whose model, reload, rendezvous and transports
 are watched. Invariants for every call:
 
@@ -25,7 +25,7 @@ are watched. Invariants for every call:
   afterwards.
 
 The six methods of protocol 2 are all fuzzed (:data:`CASES`, checked against the extension by
-``test_the_cases_cover_every_method_and_operation``): ``begin`` with hostile :class:`~hotweights.engine.session.
+``test_the_cases_cover_every_method_and_operation``): ``begin`` with hostile :class:`~hotweights.vllm.worker.session.
 SessionOptions` (a full update, a delta, and the one-call install with a bucket), ``stage``, ``prepare``, ``commit``,
 ``abort``, and ``hotweights_engine`` with every operation of ``ENGINE_OPS`` (and unknown ones), its arguments a
 hostile JSON object string.
@@ -65,13 +65,13 @@ from hotweights import HotWeightsError, WeightManifestValidationError, WeightUpd
 from hotweights.core.buckets import ALIGNMENT, Bucket, BucketEntry, bucket_problems, pack_into, plan_buckets
 from hotweights.core.delta import DeltaBase, DeltaManifest
 from hotweights.core.manifest import ExpectedWeights, TensorSpec
-from hotweights.engine import staging as staging_mod
-from hotweights.engine import worker_ops
-from hotweights.engine.expected import expected_from_config
-from hotweights.engine.session import PROTOCOL, SessionOptions, session_of
-from hotweights.engine.worker_extension import ENGINE_OPS, MAX_ARGS, HotWeightsWorkerExtension
 from hotweights.serve_guard import COLLECTIVE_RPC, GuardConfig, Refusal, check_body
 from hotweights.transports import collective, shm
+from hotweights.vllm.expected import expected_from_config
+from hotweights.vllm.worker import ops as worker_ops
+from hotweights.vllm.worker import staging as staging_mod
+from hotweights.vllm.worker.extension import ENGINE_OPS, MAX_ARGS, HotWeightsWorkerExtension
+from hotweights.vllm.worker.session import PROTOCOL, SessionOptions, session_of
 
 try:
     import msgspec

@@ -107,7 +107,7 @@ class _FakeLLM:
 
 
 def test_concurrent_first_use_builds_one_gate_and_wraps_once() -> None:
-    from hotweights.engine import compat
+    from hotweights.vllm import compat
 
     llm = _FakeLLM()
     original = llm.generate
@@ -129,7 +129,7 @@ def test_concurrent_first_use_builds_one_gate_and_wraps_once() -> None:
 
 
 def test_a_call_that_looked_generate_up_before_the_gate_waits_for_the_install_at_its_first_request() -> None:
-    from hotweights.engine import compat
+    from hotweights.vllm import compat
 
     llm = _FakeLLM()
     unwrapped = llm.generate  # looked up before hotweights saw the engine
@@ -147,7 +147,7 @@ def test_a_call_that_looked_generate_up_before_the_gate_waits_for_the_install_at
 
 
 def test_a_thread_driving_the_engine_by_hand_releases_the_gate_when_its_steps_leave_nothing_to_run() -> None:
-    from hotweights.engine import compat
+    from hotweights.vllm import compat
 
     llm = _FakeLLM()
     gate = compat.serving_gate(llm)
@@ -160,7 +160,7 @@ def test_a_thread_driving_the_engine_by_hand_releases_the_gate_when_its_steps_le
 def test_holds_released_out_of_order_leave_the_thread_counted_again() -> None:
     """A request added by hand, then a generate call: the generate's ``_run_engine`` releases the earlier hold
     before the generate's own. Afterwards this thread's calls must enter the gate again, not pass through."""
-    from hotweights.engine import compat
+    from hotweights.vllm import compat
 
     llm = _FakeLLM()
     gate = compat.serving_gate(llm)
@@ -194,7 +194,7 @@ class _SlowAddLLM(_FakeLLM):
 def test_a_call_between_its_requests_when_the_first_install_starts_is_not_deadlocked() -> None:
     """Issue 26: a generate call that added its first request before the gate existed, then the install closed the
     gate. The install waits for that call to finish (on the old weights) instead of each waiting for the other."""
-    from hotweights.engine import compat
+    from hotweights.vllm import compat
 
     llm = _SlowAddLLM()
     result: list[list[int]] = []
@@ -213,7 +213,7 @@ def test_a_call_between_its_requests_when_the_first_install_starts_is_not_deadlo
 def test_a_request_added_on_one_thread_and_stepped_on_another_does_not_hold_the_gate() -> None:
     """Issue 26: the hold taken where a request was added is released by the step, on another thread, that left
     the engine with nothing to run; a later install does not wait for it."""
-    from hotweights.engine import compat
+    from hotweights.vllm import compat
 
     llm = _FakeLLM()
     gate = compat.serving_gate(llm)

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from hotweights import EngineDiedError, HotWeightsTimeoutError
-from hotweights.engine import liveness
+from hotweights.vllm import liveness
 
 
 def _engine(ended: dict[str, int], dead: bool = False) -> Any:

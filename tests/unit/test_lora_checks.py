@@ -52,7 +52,7 @@ def test_every_problem_is_named() -> None:
 
 
 def test_an_engine_without_lora_is_refused_before_anything_is_read(monkeypatch: pytest.MonkeyPatch) -> None:
-    from hotweights.handles.base import EngineHandle
+    from hotweights.handles.handle import EngineHandle
 
     class Handle(EngineHandle):  # type: ignore[misc]
         kind = "fake"

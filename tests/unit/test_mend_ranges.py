@@ -9,8 +9,8 @@ from packaging.specifiers import SpecifierSet
 
 from hotweights import EngineNotSupportedError
 from hotweights._family import check_mends
-from hotweights.engine import compat
 from hotweights.testing import tiny_config
+from hotweights.vllm import compat
 from tools.vllm_contract import CONTRACT
 
 

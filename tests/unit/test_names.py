@@ -16,7 +16,7 @@ from hotweights import WeightManifestValidationError, WeightUpdateManifest
 from hotweights._install import update_for
 from hotweights.core.manifest import ExpectedWeights, TensorSpec
 from hotweights.core.names import to_checkpoint
-from hotweights.engine.expected import checkpoint_expected
+from hotweights.vllm.expected import checkpoint_expected
 
 try:  # transformers >= 5: its conversion rules (transformers.conversion_mapping)
     import transformers

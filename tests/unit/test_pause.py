@@ -11,8 +11,8 @@ from dataclasses import replace
 from types import SimpleNamespace
 from typing import Any
 
-from hotweights.engine import compat
 from hotweights.handles.pause import PauseOwner
+from hotweights.vllm import compat
 
 
 def test_this_process_holds_its_pause_and_a_dead_one_does_not() -> None:

@@ -11,7 +11,7 @@ import torch
 
 import hotweights
 from hotweights import HotWeightsTimeoutError, _install
-from hotweights.handles.base import EngineHandle
+from hotweights.handles.handle import EngineHandle
 
 
 class Handle(EngineHandle):  # type: ignore[misc]

@@ -6,8 +6,8 @@ import secrets
 
 import pytest
 
-from hotweights.engine.worker_extension import ENGINE_OPS
 from hotweights.transports.shm import SHM_DIR
+from hotweights.vllm.worker.extension import ENGINE_OPS
 
 
 def test_a_worker_reads_back_the_trainers_proof_file_and_nothing_else() -> None:

@@ -12,10 +12,10 @@ import torch
 from hotweights.core import envelope
 from hotweights.core.delta import DeltaBase
 from hotweights.core.errors import DeltaBaseMismatchError
-from hotweights.engine.session import SessionOptions, session_of
-from hotweights.engine.worker_extension import HotWeightsWorkerExtension
 from hotweights.transports import shm
 from hotweights.transports.shm_base import SharedDeltaBase, map_base
+from hotweights.vllm.worker.extension import HotWeightsWorkerExtension
+from hotweights.vllm.worker.session import SessionOptions, session_of
 
 
 def _tensors() -> dict[str, torch.Tensor]:

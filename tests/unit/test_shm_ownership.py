@@ -28,8 +28,8 @@ import torch
 
 from hotweights.core.buckets import Bucket, plan_buckets
 from hotweights.core.manifest import WeightUpdateManifest
-from hotweights.engine.worker_extension import HotWeightsWorkerExtension
 from hotweights.transports import EngineLink, shm
+from hotweights.vllm.worker.extension import HotWeightsWorkerExtension
 
 DEAD_PID = 999_999_999  # above any kernel's pid_max (at most 2**22): a pid no process here has
 

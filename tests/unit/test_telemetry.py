@@ -19,7 +19,7 @@ from tqdm import tqdm
 import hotweights.telemetry as telemetry
 from hotweights import InstallError, InstallReport, WeightUpdateManifest
 from hotweights.adapters import WeightInstallAdapter
-from hotweights.adapters._vllm import VLLMSessionAdapter
+from hotweights.adapters.installer import VLLMSessionAdapter
 from hotweights.core.buckets import Bucket, plan_buckets
 from hotweights.core.report import PhaseTimer
 from hotweights.transports import Descriptor, Stage, WeightTransport

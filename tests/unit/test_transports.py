@@ -17,9 +17,6 @@ import hotweights.transports as transports
 from hotweights.core.buckets import Bucket, BucketEntry, plan_buckets, unpack
 from hotweights.core.errors import HotWeightsError
 from hotweights.core.manifest import WeightUpdateManifest
-from hotweights.engine import compat, worker_extension, worker_ops
-from hotweights.engine.session import PROTOCOL, SessionOptions, session_of
-from hotweights.engine.worker_extension import HotWeightsWorkerExtension
 from hotweights.transports import (
     WeightTransport,
     available_transports,
@@ -29,6 +26,11 @@ from hotweights.transports import (
     shm,
 )
 from hotweights.transports import bytes as bytes_transport
+from hotweights.vllm import compat
+from hotweights.vllm.worker import extension as worker_extension
+from hotweights.vllm.worker import ops as worker_ops
+from hotweights.vllm.worker.extension import HotWeightsWorkerExtension
+from hotweights.vllm.worker.session import PROTOCOL, SessionOptions, session_of
 
 DEAD_PID = 999_999_999  # above any kernel's pid_max (at most 2**22), so never a live process
 
@@ -826,7 +828,7 @@ class _RecordingStream:
 class TestStreamingSession:
     @pytest.fixture
     def stream(self, monkeypatch: pytest.MonkeyPatch) -> _RecordingStream:
-        from hotweights.engine import streaming
+        from hotweights.vllm.worker import streaming
 
         stream = _RecordingStream()
         opened: list[tuple[Any, str]] = []

@@ -15,7 +15,7 @@ from hotweights.core import two_phase
 from hotweights.core.buckets import Bucket, plan_buckets
 from hotweights.core.errors import FleetAbortedError, HotWeightsError, HotWeightsTimeoutError
 from hotweights.core.manifest import WeightUpdateManifest
-from hotweights.transports.base import Stage, WeightTransport
+from hotweights.transports.transport import Stage, WeightTransport
 
 
 class Counting(WeightTransport):

@@ -11,7 +11,7 @@ import tomllib
 from packaging.requirements import Requirement
 from packaging.version import Version
 
-from hotweights.engine import compat
+from hotweights.vllm import compat
 
 PYPROJECT = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())
 

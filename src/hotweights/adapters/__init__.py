@@ -10,12 +10,12 @@
 - :class:`VLLMWeightTransferAdapter`: the same over vLLM's weight-transfer API (the ``"hotweights"`` backend);
 - :class:`VLLMWeightsPathAdapter`: any other engine on this host, through a checkpoint directory it reloads.
 
-Every one but the weights-path adapter runs the install session (:mod:`hotweights.engine.session`); every adapter
+Every one but the weights-path adapter runs the install session (:mod:`hotweights.vllm.worker.session`); every adapter
 on an engine shares that engine's handle (the serving gate, the active version, the delta base).
 ``hotweights.install`` picks one (``hotweights.adapter_for``); build one yourself to choose its options.
 """
 
-from hotweights.adapters.base import PrefixCachePolicy, WeightInstallAdapter
+from hotweights.adapters.contract import PrefixCachePolicy, WeightInstallAdapter
 from hotweights.adapters.direct import VLLMDirectSetterAdapter
 from hotweights.adapters.inprocess import VLLMInProcessWeightReloadAdapter
 from hotweights.adapters.multiprocess import VLLMMultiprocessAdapter

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from hotweights.adapters._vllm import EngineOptions, InstallMethod
+from hotweights.adapters._vllm import EngineOptions
 from hotweights.adapters.inprocess import VLLMInProcessWeightReloadAdapter
+from hotweights.adapters.options import InstallMethod
 from hotweights.core.manifest import WeightUpdateManifest
-from hotweights.engine.direct import DirectPlan, model_slots, plan_direct, refuse_unproven
+from hotweights.vllm.worker.setter import DirectPlan, model_slots, plan_direct, refuse_unproven
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -59,7 +60,7 @@ class VLLMDirectSetterAdapter(VLLMInProcessWeightReloadAdapter):
             WeightManifestValidationError: listing every tensor with no parameter, a wrong shape, or a repacked
                 fused parameter that would get only some of its parts.
             EngineNotSupportedError: the model is not one the direct setter's rule proves (see
-                :func:`~hotweights.engine.direct.direct_refusals`).
+                :func:`~hotweights.vllm.worker.setter.direct_refusals`).
         """
         model = self.model
         refuse_unproven(model)

@@ -6,12 +6,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from hotweights.adapters._vllm import EngineOptions, InstallMethod, VLLMSessionAdapter
-from hotweights.adapters._wires import InProcessWire
+from hotweights.adapters._vllm import EngineOptions
+from hotweights.adapters.installer import Installer
+from hotweights.adapters.options import InstallerOptions, InstallMethod
+from hotweights.adapters.wires import InProcessWire
 from hotweights.core.errors import EngineNotSupportedError
-from hotweights.engine import compat
-from hotweights.handles import as_engine
+from hotweights.handles import EngineHandle, as_engine
 from hotweights.handles.llm import LLMHandle
+from hotweights.vllm import compat
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -19,11 +21,11 @@ if TYPE_CHECKING:
 __all__ = ["VLLMInProcessWeightReloadAdapter"]
 
 
-class VLLMInProcessWeightReloadAdapter(VLLMSessionAdapter):
+class VLLMInProcessWeightReloadAdapter(Installer):
     """Installs checkpoint-format tensors into an in-process ``vllm.LLM``.
 
     The engine must run in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``). The install session
-    (:mod:`hotweights.engine.session`) runs in the engine's worker, called directly: the manifest and the tensors
+    (:mod:`hotweights.vllm.worker.session`) runs in the engine's worker, called directly: the manifest and the tensors
     are handed over by reference, never serialised or copied. The worker checks the manifest against the
     checkpoint it serves, then installs every tensor at once: by vLLM's layerwise reload (``install_method=
     "reload"``, this class's default: fused parameters are rebuilt from complete parts and vLLM's post-load
@@ -69,15 +71,9 @@ class VLLMInProcessWeightReloadAdapter(VLLMSessionAdapter):
                 "reference and cannot reach them. Start the engine with VLLM_ENABLE_V1_MULTIPROCESSING=0, or use "
                 "hotweights.install(llm, ...) to pick an adapter that fits."
             )
-        super().__init__(
-            handle,
-            wire=lambda _, timeout: InProcessWire(handle.llm, timeout),
-            transport="reference",
-            install_method=install_method or self.default_method,
-            rpc_timeout=rpc_timeout,
-            verify=verify,
-            **options,
-        )
+        method = install_method or self.default_method
+        chosen = InstallerOptions(install_method=method, verify=verify, rpc_timeout=rpc_timeout)
+        super().__init__(handle, InProcessWire(handle.llm, rpc_timeout), "reference", chosen, **options)
 
     @property
     def label(self) -> str:
@@ -94,5 +90,8 @@ class VLLMInProcessWeightReloadAdapter(VLLMSessionAdapter):
         """The model the engine serves (its worker runs in this process)."""
         return compat.inprocess_model(self.llm)
 
-    def _delta_refusal(self) -> str | None:
-        return None
+
+def for_engine(handle: EngineHandle) -> VLLMInProcessWeightReloadAdapter:
+    """The adapter :func:`hotweights.install` builds on the route ``inprocess``:
+    the session in this process, ``install_method="auto"``."""
+    return VLLMInProcessWeightReloadAdapter(handle, install_method="auto")

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from hotweights.adapters._vllm import SessionAdapterOptions, VLLMSessionAdapter
-from hotweights.adapters._wires import ExtensionWire
+from hotweights.adapters.installer import Installer, SessionAdapterOptions, split_options
+from hotweights.adapters.wires import ExtensionWire
 from hotweights.core.errors import EngineNotSupportedError
-from hotweights.engine import compat
-from hotweights.handles import as_engine
+from hotweights.handles import EngineHandle, as_engine
 from hotweights.transports import WeightTransport
+from hotweights.vllm import compat
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -17,10 +17,10 @@ if TYPE_CHECKING:
 __all__ = ["VLLMMultiprocessAdapter"]
 
 
-class VLLMMultiprocessAdapter(VLLMSessionAdapter):
+class VLLMMultiprocessAdapter(Installer):
     """Installs into an engine started with ``worker_extension_cls=hotweights.WORKER_EXTENSION``.
 
-    The install session (:mod:`hotweights.engine.session`) through the extension's worker methods: the update is
+    The install session (:mod:`hotweights.vllm.worker.session`) through the extension's worker methods: the update is
     cut into buckets; each bucket goes through the transport and is staged by every worker with one RPC; with
     several workers all of them confirm they are ready (``prepare``) before any installs what it staged (by
     default with the direct setter where it is proven safe, else in one layerwise reload: see ``install_method``).
@@ -43,8 +43,8 @@ class VLLMMultiprocessAdapter(VLLMSessionAdapter):
             available memory).
         install_method: how the workers install what they staged: ``"auto"`` (default: the direct setter where
             the workers' plan proves it safe at ``begin``, else vLLM's layerwise reload; see
-            :func:`~hotweights.engine.direct.direct_refusals`), ``"direct"`` (the direct setter: planned, then copied
-            into the parameters in place) or ``"reload"``. ``report.install_method``/``install_reason`` say which
+            :func:`~hotweights.vllm.worker.setter.direct_refusals`), ``"direct"`` (the direct setter: planned, then
+            copied into the parameters in place) or ``"reload"``. ``report.install_method``/``install_reason`` say which
             ran and why.
         commit: ``"atomic"`` (stage everything, then install: all or nothing) or ``"streaming"`` (install bucket
             by bucket: memory bounded by the bucket, a failed transfer leaves a partial update).
@@ -82,22 +82,11 @@ class VLLMMultiprocessAdapter(VLLMSessionAdapter):
                     else ", or use hotweights.install(engine, ...), which reaches it without the extension"
                 )
             )
-        streaming_reload = options.get("commit") == "streaming" and options.get("install_method") != "direct"
-        if streaming_reload and getattr(transport, "keep_segments", False):
-            raise ValueError(
-                "a shm transport with keep_segments=True keeps one segment per bucket when vLLM's layerwise reload "
-                "may still read a bucket after its stage, which defeats commit='streaming' (memory bounded by the "
-                "bucket), and install_method='auto' may fall back to that reload: use install_method='direct' (one "
-                "segment for every bucket), or a plain shm transport"
-            )
-        super().__init__(engine, wire=ExtensionWire, transport=transport, **options)
+        chosen, common = split_options(options)
+        super().__init__(handle, ExtensionWire(handle, chosen.rpc_timeout), transport, chosen, **common)
 
-    # Delta installs: the workers keep the host copy (:mod:`hotweights.engine.delta`); only the delta's wire tensors
-    # (indices, values, changed whole tensors) cross, as buckets through the transport, staged like any update.
-    def _delta_refusal(self) -> str | None:
-        if self.commit != "atomic":
-            return (
-                "delta installs need commit='atomic': a streaming install writes while it receives, so the workers "
-                "keep no copy of what they serve"
-            )
-        return None
+
+def for_engine(handle: EngineHandle) -> VLLMMultiprocessAdapter:
+    """The adapter :func:`hotweights.install` builds on the route ``extension``:
+    the worker extension, over the engine's default transport."""
+    return VLLMMultiprocessAdapter(handle, transport=handle.default_transport)

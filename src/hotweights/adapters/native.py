@@ -4,14 +4,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from hotweights.adapters._vllm import SessionAdapterOptions, VLLMSessionAdapter
-from hotweights.adapters._wires import TransferAPIWire
-from hotweights.adapters.base import InstallCall
+from hotweights.adapters.installer import Installer, SessionAdapterOptions, split_options
+from hotweights.adapters.wires import TransferAPIWire
 from hotweights.core.errors import EngineNotSupportedError
-from hotweights.core.manifest import WeightUpdateManifest
-from hotweights.engine.vllm_plugin import BACKEND
-from hotweights.handles import as_engine
+from hotweights.handles import EngineHandle, as_engine
 from hotweights.transports import WeightTransport
+from hotweights.vllm.plugin import BACKEND
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -19,12 +17,12 @@ if TYPE_CHECKING:
 __all__ = ["VLLMWeightTransferAdapter"]
 
 
-class VLLMWeightTransferAdapter(VLLMSessionAdapter):
+class VLLMWeightTransferAdapter(Installer):
     """Drives vLLM's ``init_weight_transfer_engine / start_weight_update / update_weights / finish_weight_update``.
 
     The engine is started with ``weight_transfer_config={"backend": "hotweights"}`` (registered by hotweights'
     vLLM plugin), a thin shim over the same install session the worker extension runs
-    (:mod:`hotweights.engine.transfer_engine`); buckets travel through any hotweights transport. With
+    (:mod:`hotweights.vllm.worker.transfer_backend`); buckets travel through any hotweights transport. With
     ``transport="collective"`` the trainer is rank 0 of a process group created through
     ``init_weight_transfer_engine`` — NCCL on GPU, gloo on CPU — and a new adapter (e.g. after a trainer restart)
     replaces the workers' stale group. Options, validation, versions, prefix cache and all-or-nothing installs are
@@ -40,30 +38,22 @@ class VLLMWeightTransferAdapter(VLLMSessionAdapter):
 
     name = "vllm-weight-transfer"
     verifies_digests_locally = False  # the workers verify after transit
-    verifies_readback = False
 
     def __init__(
         self, engine: Any, *, transport: str | WeightTransport = "shm", **options: Unpack[SessionAdapterOptions]
     ) -> None:
-        backend = as_engine(engine).weight_transfer_backend
+        handle = as_engine(engine)
+        backend = handle.weight_transfer_backend
         if backend != BACKEND:
             raise EngineNotSupportedError(
                 f"this engine's weight transfer backend is {backend or 'not configured'!r}; start it with "
                 f"LLM(..., weight_transfer_config={{'backend': {BACKEND!r}}}) with hotweights installed"
             )
-        if getattr(transport, "keep_segments", False):
-            raise ValueError(
-                "kept shm segments are released through hotweights' worker extension, which vLLM's weight-transfer "
-                "API cannot reach; use a plain make_transport('shm') here, or VLLMMultiprocessAdapter"
-            )
-        super().__init__(engine, wire=TransferAPIWire, transport=transport, **options)
+        chosen, common = split_options(options)
+        super().__init__(handle, TransferAPIWire(handle, chosen.rpc_timeout), transport, chosen, **common)
 
-    def _summary(
-        self, summaries: list[dict[str, Any]], sent: WeightUpdateManifest | None, timer: InstallCall
-    ) -> dict[str, Any]:
-        return {"digests_verified": sum(s.digest is not None for s in sent.tensors.values()) if sent else 0}
 
-    def _delta_refusal(self) -> str | None:
-        if self.commit != "atomic":
-            return "delta installs need commit='atomic'"
-        return None
+def for_engine(handle: EngineHandle) -> VLLMWeightTransferAdapter:
+    """The adapter :func:`hotweights.install` builds on the route ``weight_transfer``:
+    vLLM's weight-transfer API, over the engine's default transport."""
+    return VLLMWeightTransferAdapter(handle, transport=handle.default_transport)

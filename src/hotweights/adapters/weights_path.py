@@ -16,13 +16,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from hotweights.adapters._vllm import EngineOptions, VLLMEngineAdapter
-from hotweights.adapters.base import InstallCall, Items
+from hotweights.adapters.contract import InstallCall, Items
 from hotweights.core import two_phase
 from hotweights.core.cast import CastItems
 from hotweights.core.errors import EngineNotSupportedError
 from hotweights.core.manifest import _ST_DTYPES, WeightUpdateManifest, dtype_from_str
-from hotweights.engine import compat
+from hotweights.handles import EngineHandle
 from hotweights.transports.shm import SHM_DIR, sweep_stale
+from hotweights.vllm import compat
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -89,7 +90,7 @@ class VLLMWeightsPathAdapter(VLLMEngineAdapter):
         return {}  # the engine's reload checks no digests (the trainer checked them before writing the file)
 
     def _refuse_unmended(self) -> None:
-        """vLLM's own reload needs mending for some models (:data:`~hotweights.engine.compat.VLLM_FIXES`); the
+        """vLLM's own reload needs mending for some models (:data:`~hotweights.vllm.compat.VLLM_FIXES`); the
         mend runs in the engine's processes only through hotweights' vLLM plugin: refuse where it cannot."""
         if self.engine.kind not in ("llm", "async_llm") or compat.vllm_fixes_reach_workers():
             return
@@ -135,3 +136,9 @@ def _described(items: Items) -> list[tuple[str, torch.Tensor]]:
 
 
 _ST_NAMES = {dtype_from_str(torch_name): st for st, torch_name in _ST_DTYPES.items()}
+
+
+def for_engine(handle: EngineHandle) -> VLLMWeightsPathAdapter:
+    """The adapter :func:`hotweights.install` builds on the route ``weights_path``:
+    vLLM's own reload of a checkpoint written on this host."""
+    return VLLMWeightsPathAdapter(handle)

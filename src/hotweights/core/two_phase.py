@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 
     from hotweights.core.buckets import Bucket
 
-#: What a transport hands the engine for one bucket (see :mod:`hotweights.transports.base`).
+#: What a transport hands the engine for one bucket (see :mod:`hotweights.transports.transport`).
 Descriptor = dict[str, Any]
 
 

@@ -3,6 +3,6 @@
 
 from hotweights.fleet.estimate import Calibration, FleetEstimate, estimate
 from hotweights.fleet.fleet import Fleet, StagedUpdate
-from hotweights.fleet.report import Fenced, FleetReport
+from hotweights.fleet.outcome import Fenced, FleetReport
 
 __all__ = ["Calibration", "Fenced", "Fleet", "FleetEstimate", "FleetReport", "StagedUpdate", "estimate"]

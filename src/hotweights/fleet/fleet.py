@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from hotweights._family import check_family
 from hotweights._install import InstallOptions, adapter_for, update_for
-from hotweights.adapters.base import WeightInstallAdapter
+from hotweights.adapters.contract import WeightInstallAdapter
 from hotweights.core import two_phase
 from hotweights.core.buckets import default_bucket_bytes
 from hotweights.core.errors import (
@@ -36,11 +36,11 @@ from hotweights.core.errors import (
 )
 from hotweights.core.manifest import TensorsLike
 from hotweights.core.report import InstallReport
-from hotweights.engine.session import MAX_EXPIRY_S
-from hotweights.fleet.report import Fenced, FleetReport
+from hotweights.fleet.outcome import Fenced, FleetReport
 from hotweights.handles import EngineHandle, as_engine
-from hotweights.handles.base import PauseMode
+from hotweights.handles.handle import PauseMode
 from hotweights.telemetry import logger
+from hotweights.vllm.worker.session import MAX_EXPIRY_S
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack

@@ -9,8 +9,8 @@ from typing import Any
 
 from hotweights.core import attach
 from hotweights.core.errors import EngineNotSupportedError
-from hotweights.engine import compat
-from hotweights.handles.base import EngineHandle, PauseMode
+from hotweights.handles.handle import EngineHandle, PauseMode
+from hotweights.vllm import compat
 
 __all__ = ["EngineHandle", "PauseMode", "as_engine"]
 

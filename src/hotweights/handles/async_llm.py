@@ -18,10 +18,10 @@ from typing import Any, ClassVar, TypeVar
 from hotweights.core import attach
 from hotweights.core.errors import HotWeightsTimeoutError, PartialUpdateError
 from hotweights.core.manifest import ExpectedWeights
-from hotweights.engine import compat, liveness
-from hotweights.engine.expected import expected_weights
-from hotweights.handles.base import EngineHandle, PauseMode
+from hotweights.handles.handle import EngineHandle, PauseMode
 from hotweights.handles.sleep import SleepTracker
+from hotweights.vllm import compat, liveness
+from hotweights.vllm.expected import expected_weights
 
 __all__ = ["PAUSE_MODES", "AsyncLLMHandle", "PauseGate"]
 

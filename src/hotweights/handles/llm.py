@@ -7,11 +7,11 @@ from typing import Any, ClassVar
 
 from hotweights.core.gate import ServingGate
 from hotweights.core.manifest import ExpectedWeights
-from hotweights.engine import compat
-from hotweights.engine.expected import expected_weights
-from hotweights.engine.worker_ops import clear_kv_cache
-from hotweights.handles.base import EngineHandle
+from hotweights.handles.handle import EngineHandle
 from hotweights.handles.sleep import SleepTracker
+from hotweights.vllm import compat
+from hotweights.vllm.expected import expected_weights
+from hotweights.vllm.worker.ops import clear_kv_cache
 
 __all__ = ["LLMHandle"]
 

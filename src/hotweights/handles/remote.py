@@ -31,13 +31,13 @@ import httpx
 
 from hotweights.core.errors import EngineNotSupportedError, HotWeightsError, HotWeightsTimeoutError, InstallError
 from hotweights.core.manifest import ExpectedWeights
-from hotweights.engine.compat import TESTED_VLLM, WORKER_EXTENSION
-from hotweights.engine.expected import checkpoint_dir, checkpoint_expected
-from hotweights.engine.vllm_plugin import BACKEND
-from hotweights.handles.base import EngineHandle, PauseMode
+from hotweights.handles.handle import EngineHandle, PauseMode
 from hotweights.handles.pause import PauseOwner
 from hotweights.telemetry import best_effort
 from hotweights.telemetry import logger as _log
+from hotweights.vllm.compat import TESTED_VLLM, WORKER_EXTENSION
+from hotweights.vllm.expected import checkpoint_dir, checkpoint_expected
+from hotweights.vllm.plugin import BACKEND
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -350,7 +350,7 @@ class RemoteHandle(EngineHandle):
         arch, vllm, device = super().family()
         if vllm:
             return arch, vllm, device
-        from hotweights.engine import compat
+        from hotweights.vllm import compat
 
         vllm = str((self._request("GET", "/version", timeout=SHORT_TIMEOUT) or {}).get("version", ""))
         local = compat.vllm_version()

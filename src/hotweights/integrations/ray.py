@@ -28,7 +28,7 @@ from typing import Any
 
 from hotweights.core.errors import HotWeightsError, HotWeightsTimeoutError
 from hotweights.handles import EngineHandle, as_engine
-from hotweights.handles.ray import RayEngineHandle
+from hotweights.handles.actor import RayEngineHandle
 
 __all__ = ["HOLD_LIMIT_S", "EngineActor", "engine"]
 
@@ -56,7 +56,7 @@ def engine(actor: Any) -> RayEngineHandle:
 class EngineActor:
     """Mixin for a Ray actor class hosting an engine in ``self.llm`` (rename with ``hotweights_engine_attr``).
 
-    Its one remote method, :meth:`hotweights_handle`, is what :class:`~hotweights.handles.ray.RayEngineHandle` calls.
+    Its one remote method, :meth:`hotweights_handle`, is what :class:`~hotweights.handles.actor.RayEngineHandle` calls.
     Make the actor threaded (``max_concurrency >= 2``) so an install stages while a rollout generates; generation
     through ``self.llm`` waits while an install writes, as in any process.
     """
@@ -89,7 +89,7 @@ class _ActorSide:
     def describe(self) -> dict[str, Any]:
         import ray
 
-        from hotweights.engine.compat import WORKER_EXTENSION
+        from hotweights.vllm.compat import WORKER_EXTENSION
 
         h = self.handle
         if h.worker_extension != WORKER_EXTENSION:

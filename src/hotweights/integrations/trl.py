@@ -37,8 +37,8 @@ from hotweights._lora import install_lora, lora_request
 from hotweights.core import attach as _attach
 from hotweights.core.errors import EngineNotSupportedError, HotWeightsError
 from hotweights.core.report import InstallReport
-from hotweights.engine import compat
 from hotweights.handles import as_engine
+from hotweights.vllm import compat
 
 __all__ = ["LORA_NAME", "TRLWeightSync", "attach", "lora_engine"]
 

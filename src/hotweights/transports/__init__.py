@@ -19,7 +19,7 @@ from types import ModuleType
 from typing import Any
 
 from hotweights.core.errors import HotWeightsError
-from hotweights.transports.base import Descriptor, EngineLink, Stage, WeightTransport
+from hotweights.transports.transport import Descriptor, EngineLink, Stage, WeightTransport
 
 __all__ = [
     "Descriptor",
@@ -73,5 +73,5 @@ register_transport("shm", "hotweights.transports.shm")
 register_transport("bytes", "hotweights.transports.bytes")
 register_transport("collective", "hotweights.transports.collective")
 register_transport("cuda_ipc", "hotweights.transports.cuda_ipc")
-register_transport("ray", "hotweights.transports.ray")
+register_transport("ray", "hotweights.transports.object_store")
 register_transport("reference", "hotweights.transports.reference")

@@ -27,7 +27,7 @@ import torch.distributed
 from hotweights.core import attach
 from hotweights.core.buckets import Bucket, pack_into
 from hotweights.core.errors import HotWeightsError, HotWeightsTimeoutError, InstallError
-from hotweights.transports.base import Descriptor, EngineLink, Stage, WeightTransport
+from hotweights.transports.transport import Descriptor, EngineLink, Stage, WeightTransport
 
 __all__ = ["MAX_TIMEOUT_S", "MAX_WORKERS", "Transport", "close_group", "create_group", "open_bucket"]
 

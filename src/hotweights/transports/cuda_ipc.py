@@ -16,7 +16,7 @@ from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
 from hotweights.core.buckets import Bucket, pack_into
 from hotweights.core.errors import HotWeightsError
-from hotweights.transports.base import Descriptor, Stage, WeightTransport
+from hotweights.transports.transport import Descriptor, Stage, WeightTransport
 
 __all__ = ["Transport", "open_bucket"]
 

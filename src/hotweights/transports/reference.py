@@ -15,7 +15,7 @@ import torch
 
 from hotweights.core.buckets import Bucket
 from hotweights.core.cast import items_of
-from hotweights.transports.base import Descriptor, Stage, WeightTransport
+from hotweights.transports.transport import Descriptor, Stage, WeightTransport
 
 __all__ = ["Transport", "open_bucket"]
 

@@ -44,7 +44,7 @@ import torch
 
 from hotweights.core import attach
 from hotweights.core.buckets import Bucket, byte_views, pack_into
-from hotweights.transports.base import Descriptor, EngineLink, Stage, WeightTransport
+from hotweights.transports.transport import Descriptor, EngineLink, Stage, WeightTransport
 
 __all__ = [
     "REUSE_BUDGET",

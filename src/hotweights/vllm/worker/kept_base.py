@@ -8,7 +8,7 @@ worker, on top of the trainer's one per engine), refreshed by every atomic insta
 An in-process worker keeps none: the trainer's own copy (on the engine's handle) is lent to it for each delta, so
 there is one copy in all.
 
-A delta session (:mod:`hotweights.engine.session` with ``delta`` set) is all or nothing:
+A delta session (:mod:`hotweights.vllm.worker.session` with ``delta`` set) is all or nothing:
 
 1. ``begin``: refused (:class:`~hotweights.DeltaBaseMismatchError`, with the delta's versions and what the worker
    serves) unless the copy is exactly the delta's base version; its wire tensors (indices, values, whole tensors)
@@ -30,7 +30,7 @@ from hotweights.core.manifest import TensorSpec, WeightUpdateManifest
 from hotweights.transports.shm_base import MappedBase, map_base
 
 if TYPE_CHECKING:
-    from hotweights.engine.staging import InstallSession, StagingArea
+    from hotweights.vllm.worker.staging import InstallSession, StagingArea
 
 __all__ = ["Prepared", "WorkerBase", "begin", "commit", "prepare"]
 
@@ -137,8 +137,8 @@ def prepare(base: WorkerBase, staging: StagingArea, delta: DeltaManifest) -> Pre
 
 def commit(worker: Any, base: WorkerBase, prepared: Prepared, method: str) -> dict[str, int | str | float]:
     """Install the prepared delta's blocks (``method`` as for a full install), then move the copy on."""
-    from hotweights.engine.direct import apply_direct, choose_method
-    from hotweights.engine.worker_ops import after_weights_changed, reload_checkpoint_tensors, worker_model
+    from hotweights.vllm.worker.ops import after_weights_changed, reload_checkpoint_tensors, worker_model
+    from hotweights.vllm.worker.setter import apply_direct, choose_method
 
     staged, delta = prepared.staged, prepared.delta
     assert staged is not None and delta is not None

@@ -35,7 +35,7 @@ class EngineLink(Protocol):
 
     def engine_op(self, op: str, **args: Any) -> list[Any]:
         """Run the worker operation ``op`` (``"join_group"``, ``"leave_group"``, ``"release_segments"``: see
-        :data:`hotweights.engine.worker_extension.ENGINE_OPS`) on every worker; one result per worker."""
+        :data:`hotweights.vllm.worker.extension.ENGINE_OPS`) on every worker; one result per worker."""
         ...
 
 

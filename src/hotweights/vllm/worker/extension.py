@@ -4,7 +4,7 @@ Start the engine with ``LLM(..., worker_extension_cls=hotweights.WORKER_EXTENSIO
 reachable by name through ``collective_rpc`` (strings, ints, bytes and JSON only: no pickle anywhere). An error
 any of them raises leaves with its envelope (:mod:`hotweights.core.envelope`): the trainer gets it back typed.
 
-Five of them are the install session (:mod:`hotweights.engine.session`): ``begin`` -> ``stage`` per bucket ->
+Five of them are the install session (:mod:`hotweights.vllm.worker.session`): ``begin`` -> ``stage`` per bucket ->
 ``prepare`` -> ``commit``, or ``abort``. The sixth, ``hotweights_engine``, reads and sets the worker's state that
 outlives a session: its status, the pause record, the KV cache, the collective group, kept shm segments and the
 delta copy.
@@ -19,7 +19,7 @@ from typing import Any
 
 from hotweights.core import attach
 from hotweights.core.envelope import enveloped
-from hotweights.engine.session import PROTOCOL, WorkerSession, session_of
+from hotweights.vllm.worker.session import PROTOCOL, WorkerSession, session_of
 
 __all__ = ["HotWeightsWorkerExtension"]
 
@@ -38,7 +38,7 @@ class HotWeightsWorkerExtension:
     def hotweights_begin(
         self, options_json: str, bucket_json: str = "", descriptor: dict[str, Any] | None = None
     ) -> Any:
-        """Open an install session (:class:`~hotweights.engine.session.SessionOptions`, JSON); one left open by a
+        """Open an install session (:class:`~hotweights.vllm.worker.session.SessionOptions`, JSON); one left open by a
         crashed trainer is dropped first. With a bucket, the whole update is that bucket: it is staged and
         committed in this one call (one worker: one RPC instead of three), and the commit's summary comes back, or
         ``{"refused": <envelope>}`` when it was refused before anything was written."""
@@ -91,13 +91,13 @@ class HotWeightsWorkerExtension:
 
 
 def _status(worker: Any) -> dict[str, Any]:
-    """The extension is loaded and speaks :data:`~hotweights.engine.session.PROTOCOL`; whether vLLM's sleep mode
+    """The extension is loaded and speaks :data:`~hotweights.vllm.worker.session.PROTOCOL`; whether vLLM's sleep mode
     holds this worker's weights (a paused scheduler alone does not); who recorded the engine's pause; the bytes of
     this worker's own delta copy, and the trainer's shared copy it maps (``""``: none); the install session open
     (``""``: none), the last updates dropped by their staging expiry, and the model's architecture, the vLLM
     version and device kind (what :mod:`hotweights.core.families` proves families on), and the mends of vLLM's
-    reload in place in this worker (:data:`~hotweights.engine.compat.VLLM_FIXES`)."""
-    from hotweights.engine.compat import apply_vllm_fixes, device_kind, vllm_version, weights_asleep_here
+    reload in place in this worker (:data:`~hotweights.vllm.compat.VLLM_FIXES`)."""
+    from hotweights.vllm.compat import apply_vllm_fixes, device_kind, vllm_version, weights_asleep_here
 
     session = session_of(worker)
     config = getattr(getattr(worker, "model_config", None), "hf_config", None)
@@ -133,7 +133,7 @@ def _pause(worker: Any, action: str, owner: str = "") -> str:
 
 def _clear_kv_cache(worker: Any) -> int:
     """Zero the KV cache (after a failure that may have touched live weights); returns tensors zeroed."""
-    from hotweights.engine.worker_ops import clear_kv_cache
+    from hotweights.vllm.worker.ops import clear_kv_cache
 
     return clear_kv_cache(worker)
 

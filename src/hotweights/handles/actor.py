@@ -1,6 +1,6 @@
 """The handle of an engine hosted in a Ray actor (trainer side): every call goes to the actor's
 ``hotweights_handle`` method (:class:`hotweights.integrations.ray.EngineActor`), which runs it on the engine's own
-handle there; buckets travel through Ray's object store (:mod:`hotweights.transports.ray`).
+handle there; buckets travel through Ray's object store (:mod:`hotweights.transports.object_store`).
 
 The actor's engine must be started with hotweights' worker extension (any engine kind that accepts it). Calls carry
 strings, JSON and ``ObjectRef`` s: Ray's serializer moves them, and nothing of hotweights is pickled.
@@ -15,7 +15,7 @@ from typing import Any, ClassVar
 
 from hotweights.core.errors import HotWeightsTimeoutError
 from hotweights.core.manifest import ExpectedWeights, TensorSpec
-from hotweights.handles.base import EngineHandle, PauseMode
+from hotweights.handles.handle import EngineHandle, PauseMode
 
 __all__ = ["RayEngineHandle"]
 

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from hotweights.core.buckets import Bucket, pack_into
-from hotweights.transports.base import Descriptor, Stage, WeightTransport
+from hotweights.transports.transport import Descriptor, Stage, WeightTransport
 
 __all__ = ["Transport", "open_bucket"]
 

@@ -1,10 +1,10 @@
 """Staging of an install on the engine side: buckets are received and checked aside, the model is untouched.
 
-The staging area of :class:`~hotweights.engine.session.WorkerSession`, so of every engine kind that runs the
+The staging area of :class:`~hotweights.vllm.worker.session.WorkerSession`, so of every engine kind that runs the
 install session (the worker extension, the vLLM weight-transfer backend, an in-process worker): ``begin``
 (manifest, checked against the checkpoint the worker serves) -> ``stage`` per bucket (an in-process install stages
 every tensor at once, by reference: ``stage_by_reference``) -> ``take`` (every tensor, in manifest order, only if
-all arrived) or ``abort``. A session opened with a :class:`~hotweights.engine.streaming.Stream` hands each checked
+all arrived) or ``abort``. A session opened with a :class:`~hotweights.vllm.worker.streaming.Stream` hands each checked
 bucket to it instead of keeping it (``finish_stream`` then closes the stream).
 """
 
@@ -21,12 +21,12 @@ import torch
 
 from hotweights.core.buckets import Bucket, bucket_problems, unpack
 from hotweights.core.manifest import WeightUpdateManifest
-from hotweights.engine.expected import check_manifest
 from hotweights.transports import engine_side
+from hotweights.vllm.expected import check_manifest
 
 if TYPE_CHECKING:
-    from hotweights.engine.direct import DirectPlan
-    from hotweights.engine.streaming import Stream
+    from hotweights.vllm.worker.setter import DirectPlan
+    from hotweights.vllm.worker.streaming import Stream
 
 __all__ = ["InstallSession", "StagingArea"]
 
@@ -74,7 +74,7 @@ class StagingArea:
     ) -> str:
         """Open a session (streaming into ``stream(manifest)`` when given); one left open (e.g. by a crashed
         trainer) is dropped first. A manifest that differs from the checkpoint the owner serves is refused here
-        (:func:`~hotweights.engine.expected.check_manifest`); ``check=False`` for a delta's wire tensors (indices
+        (:func:`~hotweights.vllm.expected.check_manifest`); ``check=False`` for a delta's wire tensors (indices
         and values, checked against the worker's copy by the delta session)."""
         if isinstance(manifest_json, WeightUpdateManifest):
             manifest = manifest_json

@@ -2,7 +2,7 @@
 
 With the package installed, vLLM's plugin loader registers the backend ``"hotweights"`` in every process (entry
 point ``vllm.general_plugins``). An engine started with ``weight_transfer_config={"backend": "hotweights"}`` then
-accepts vLLM's four-phase flow, which maps onto :class:`~hotweights.engine.session.WorkerSession` (JSON and bytes
+accepts vLLM's four-phase flow, which maps onto :class:`~hotweights.vllm.worker.session.WorkerSession` (JSON and bytes
 only in ``update_info``)::
 
     llm.collective_rpc("init_weight_transfer_engine", kwargs={"init_info": {}})   # or a collective rendezvous
@@ -35,8 +35,8 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from hotweights.core.envelope import enveloped
-from hotweights.engine.session import SessionOptions, WorkerSession, refusal
-from hotweights.engine.worker_ops import reload_model
+from hotweights.vllm.worker.ops import reload_model
+from hotweights.vllm.worker.session import SessionOptions, WorkerSession, refusal
 
 __all__ = ["HotWeightsInitInfo", "HotWeightsTransferEngine", "HotWeightsUpdateInfo"]
 

@@ -8,7 +8,7 @@
 - the **commit**: ``atomic`` (everything is staged aside; nothing touches the model until ``commit``) or
   ``streaming`` (each bucket goes into the model as it arrives: memory follows the bucket);
 - **delta**: the manifest describes either the update itself, or a delta's wire tensors (indices, values, whole
-  tensors) to apply to the copy this worker kept of the version it serves (:mod:`hotweights.engine.delta`).
+  tensors) to apply to the copy this worker kept of the version it serves (:mod:`hotweights.vllm.worker.kept_base`).
 
 ``prepare`` is where every worker says it is ready (all buckets arrived and checked, the delta rebuilt aside)
 without writing: a trainer with several workers prepares all of them before any commits. ``commit`` without a
@@ -33,8 +33,8 @@ from hotweights.core import attach, envelope
 from hotweights.core.delta import DeltaManifest
 from hotweights.core.errors import DeltaBaseMismatchError, Mismatch, MismatchKind, WeightManifestValidationError
 from hotweights.core.manifest import WeightUpdateManifest
-from hotweights.engine import delta as delta_state
-from hotweights.engine.staging import InstallSession, StagingArea
+from hotweights.vllm.worker import kept_base as delta_state
+from hotweights.vllm.worker.staging import InstallSession, StagingArea
 
 if TYPE_CHECKING:
     from hotweights.core.manifest import TensorsLike
@@ -167,7 +167,7 @@ class WorkerSession:
         chosen: list[Any] = []
 
         def choose(manifest: WeightUpdateManifest) -> tuple[Any, str, str]:
-            from hotweights.engine.direct import choose_method
+            from hotweights.vllm.worker.setter import choose_method
 
             chosen[:] = choose_method(self._model, manifest.tensors, options.method)
             return chosen[0], chosen[1], chosen[2]
@@ -182,7 +182,7 @@ class WorkerSession:
                 self.abort(update_id)
                 raise
         else:
-            from hotweights.engine.streaming import open_stream
+            from hotweights.vllm.worker.streaming import open_stream
 
             if options.method != "auto":  # a forced method: the stream plans (or refuses) itself
                 chosen[:] = [None, options.method, f"install_method={options.method!r} was asked for"]
@@ -260,7 +260,7 @@ class WorkerSession:
             "install_reason": session.method_reason,
         }
         if options.verify:
-            from hotweights.engine.readback import readback
+            from hotweights.vllm.worker.readback import readback
 
             start = time.perf_counter()
             summary.update(readback(self._model(), session, prepared.items))
@@ -302,7 +302,7 @@ class WorkerSession:
 
     # ------------------------------------------------------------------ helpers
     def _model(self) -> torch.nn.Module:
-        from hotweights.engine.worker_ops import worker_model
+        from hotweights.vllm.worker.ops import worker_model
 
         return worker_model(self.worker)
 
@@ -320,11 +320,11 @@ class WorkerSession:
         return session, items
 
     def _write(self, session: InstallSession, items: Any) -> int:
-        from hotweights.engine.worker_ops import after_weights_changed, reload_checkpoint_tensors
+        from hotweights.vllm.worker.ops import after_weights_changed, reload_checkpoint_tensors
 
         if session.method == "direct":
             from hotweights.core.cast import lazy_mapping
-            from hotweights.engine.direct import apply_direct
+            from hotweights.vllm.worker.setter import apply_direct
 
             assert session.direct_plan is not None
             refreshed = apply_direct(self._model(), session.direct_plan, lazy_mapping(items))

@@ -1,5 +1,5 @@
 """vLLM general plugin (entry point ``vllm.general_plugins``), run in every vLLM process: mends vLLM's weight
-reload where it would serve wrong output (:data:`~hotweights.engine.compat.VLLM_FIXES`) and registers the
+reload where it would serve wrong output (:data:`~hotweights.vllm.compat.VLLM_FIXES`) and registers the
 ``"hotweights"`` weight-transfer backend. Safe to call more than once."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ BACKEND = "hotweights"
 
 
 def register() -> None:
-    """Apply :func:`~hotweights.engine.compat.apply_vllm_fixes`; register
-    :class:`~hotweights.engine.transfer_engine.HotWeightsTransferEngine` (lazily imported)."""
-    from hotweights.engine.compat import apply_vllm_fixes
+    """Apply :func:`~hotweights.vllm.compat.apply_vllm_fixes`; register
+    :class:`~hotweights.vllm.worker.transfer_backend.HotWeightsTransferEngine` (lazily imported)."""
+    from hotweights.vllm.compat import apply_vllm_fixes
 
     apply_vllm_fixes()
     try:
@@ -21,5 +21,5 @@ def register() -> None:
         return
     if BACKEND not in WeightTransferEngineFactory._registry:
         WeightTransferEngineFactory.register_engine(
-            BACKEND, "hotweights.engine.transfer_engine", "HotWeightsTransferEngine"
+            BACKEND, "hotweights.vllm.worker.transfer_backend", "HotWeightsTransferEngine"
         )

@@ -1,6 +1,6 @@
 """How the trainer's calls of the install session reach the workers: one wire per way into an engine.
 
-The session itself (:mod:`hotweights.engine.session`) is the same everywhere; a wire carries its five calls
+The session itself (:mod:`hotweights.vllm.worker.session`) is the same everywhere; a wire carries its five calls
 (``begin``, ``stage``, ``prepare``, ``commit``, ``abort``), the one-call install where it has one, and the worker
 operations a transport needs (:class:`Wire`):
 
@@ -20,9 +20,9 @@ from hotweights.core import envelope
 from hotweights.core.delta import DeltaBase
 from hotweights.core.errors import EngineNotSupportedError
 from hotweights.core.manifest import WeightUpdateManifest
-from hotweights.engine.session import PROTOCOL, SessionOptions, session_of
 from hotweights.handles import EngineHandle
 from hotweights.transports import Descriptor
+from hotweights.vllm.worker.session import PROTOCOL, SessionOptions, session_of
 
 __all__ = ["ExtensionWire", "InProcessWire", "TransferAPIWire", "Wire"]
 
@@ -36,6 +36,12 @@ class Wire(Protocol):
     timeout: float | None
     #: Whether :meth:`install` can begin, stage and commit a one-bucket update in one call.
     one_call: bool
+    #: Whether the workers read the live parameters back after a commit (``verify``).
+    reads_back: bool
+    #: Whether the workers can release kept shm segments (``engine_op("release_segments")``).
+    releases_segments: bool
+    #: Whether :meth:`commit` answers each worker's summary (False: the calls return nothing).
+    summarises: bool
 
     def begin(
         self, options: SessionOptions, manifest: WeightUpdateManifest | None = None, lent: DeltaBase | None = None
@@ -74,6 +80,9 @@ class _RPCWire:
     """What the wires that reach workers by ``collective_rpc`` share: typed errors, the manifest as JSON."""
 
     one_call: bool = False
+    reads_back: bool = True
+    releases_segments: bool = True
+    summarises: bool = True
 
     def __init__(self, engine: EngineHandle, timeout: float | None) -> None:
         self.engine = engine
@@ -108,7 +117,7 @@ class _RPCWire:
 
 
 class ExtensionWire(_RPCWire):
-    """The worker extension's six methods (:mod:`hotweights.engine.worker_extension`)."""
+    """The worker extension's six methods (:mod:`hotweights.vllm.worker.extension`)."""
 
     def __init__(self, engine: EngineHandle, timeout: float | None) -> None:
         super().__init__(engine, timeout)
@@ -149,8 +158,12 @@ class ExtensionWire(_RPCWire):
 
 class TransferAPIWire(_RPCWire):
     """vLLM's four phases, with the session's steps as the ``"hotweights"`` backend's ``update_info``
-    (:mod:`hotweights.engine.transfer_engine`). vLLM's calls return nothing: a commit's summary stays in the
-    engine's log."""
+    (:mod:`hotweights.vllm.worker.transfer_backend`). vLLM's calls return nothing: a commit's summary stays in the
+    engine's log, and nothing read back reaches the trainer."""
+
+    reads_back = False
+    releases_segments = False  # kept segments are released through the worker extension, which this wire lacks
+    summarises = False
 
     def _update(self, **info: Any) -> Answers:
         return self.call("update_weights", kwargs={"update_info": info})
@@ -193,6 +206,9 @@ class InProcessWire:
     ``reference`` transport. Its errors arrive as raised, typed: nothing crosses a process boundary."""
 
     one_call = False
+    reads_back = True
+    releases_segments = False
+    summarises = True
 
     def __init__(self, llm: Any, timeout: float | None) -> None:
         self.llm = llm

@@ -26,11 +26,12 @@ from typing import Any, ClassVar, Literal
 from hotweights.core import attach
 from hotweights.core.active import ActiveVersion
 from hotweights.core.delta import DeltaState
-from hotweights.core.errors import HotWeightsTimeoutError
+from hotweights.core.errors import EngineNotSupportedError, HotWeightsTimeoutError
 from hotweights.core.gate import WriteGate
 from hotweights.core.manifest import ExpectedWeights
-from hotweights.engine.compat import WORKER_EXTENSION
 from hotweights.handles.pause import PauseOwner
+from hotweights.vllm.compat import WORKER_EXTENSION
+from hotweights.vllm.plugin import BACKEND
 
 __all__ = ["EngineHandle", "PauseMode"]
 
@@ -58,6 +59,9 @@ class EngineHandle(ABC):
     kind: ClassVar[str]
     #: The :data:`PauseMode` values this engine kind honours (a ``vllm.LLM`` can only wait).
     pause_modes: ClassVar[tuple[PauseMode, ...]] = ("wait",)
+    #: Whether installs into it pass the guard against a model family vLLM serves wrong (:mod:`hotweights._family`):
+    #: every vLLM engine does; an engine that serves exactly the tensors it stores (a fake for tests) need not.
+    guards_family: ClassVar[bool] = True
     #: How the install in progress treats requests in flight (set by :meth:`installing`).
     pause_mode: PauseMode = "wait"
 
@@ -141,6 +145,29 @@ class EngineHandle(ABC):
         """True when the engine's workers run this very hotweights (an engine this process started), so every worker
         method this version calls exists there; a server may run another version."""
         return True
+
+    @property
+    def route(self) -> str:
+        """How an install reaches this engine's workers, decided by how it was started (the key of
+        :mod:`hotweights.adapters.registry`): ``"inprocess"``, ``"extension"`` (hotweights' worker extension),
+        ``"weight_transfer"`` (its weight-transfer backend) or ``"weights_path"`` (vLLM's own reload, same host).
+
+        Raises:
+            EngineNotSupportedError: an engine on another host started with neither.
+        """
+        if self.inprocess:
+            return "inprocess"
+        if self.worker_extension == WORKER_EXTENSION:
+            return "extension"
+        if self.weight_transfer_backend == BACKEND:
+            return "weight_transfer"
+        if self.same_host:
+            return "weights_path"
+        raise EngineNotSupportedError(
+            f"{self.describe()} runs on another host and was started with neither hotweights' worker extension nor "
+            f"its weight-transfer backend; start it with --worker-extension-cls {WORKER_EXTENSION} or "
+            f'--weight-transfer-config \'{{"backend": "{BACKEND}"}}\''
+        )
 
     @property
     def default_transport(self) -> str:
@@ -262,11 +289,11 @@ class EngineHandle(ABC):
         return torch.float32
 
     def vllm_fixes(self) -> tuple[str, ...] | None:
-        """The mends of vLLM's reload (:data:`~hotweights.engine.compat.VLLM_FIXES`) in place where the engine's
+        """The mends of vLLM's reload (:data:`~hotweights.vllm.compat.VLLM_FIXES`) in place where the engine's
         workers run: asked of the workers through the worker extension; else, where hotweights' vLLM plugin reaches
         the engine's processes, the ones this environment applies; ``()`` where the plugin is kept out
         (``VLLM_PLUGINS``); None where it cannot be told from here."""
-        from hotweights.engine import compat
+        from hotweights.vllm import compat
 
         if self.worker_extension == WORKER_EXTENSION:
             answers = self.call("hotweights_engine", "status", "{}", timeout=PAUSE_CALL_TIMEOUT)
@@ -281,7 +308,7 @@ class EngineHandle(ABC):
         """``(architecture, vLLM version, device kind)`` of the engine, as far as they can be read from here: from
         the engine's own config in this process, else from the workers (worker extension); ``None``/``""`` where
         unknown."""
-        from hotweights.engine import compat
+        from hotweights.vllm import compat
 
         config = self.model_config()
         if config is not None:

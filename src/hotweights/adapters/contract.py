@@ -18,12 +18,12 @@ from typing import Any, ClassVar, Literal
 
 import torch
 
+from hotweights.adapters.options import InstallerOptions, PathAbilities, VerifyOption
 from hotweights.core.active import ActiveVersion
 from hotweights.core.cast import Cast, CastItems, cast_targets, item_names
 from hotweights.core.delta import DeltaBase, DeltaState, EncodedDelta, StagedDelta
 from hotweights.core.errors import (
     DeltaBaseMismatchError,
-    EngineNotSupportedError,
     FamilyProbeError,
     HotWeightsError,
     HotWeightsTimeoutError,
@@ -88,10 +88,9 @@ class WeightInstallAdapter(ABC):
     sharded: ClassVar[bool] = False
     #: Whether manifest digests are checked here, before sending (True) or by the engine after transit (False).
     verifies_digests_locally: ClassVar[bool] = True
-    #: Whether ``install(..., verify=True)`` can read the live parameters back after the commit.
-    verifies_readback: ClassVar[bool] = False
-    #: Default of ``install(verify=...)``; adapters that read back take ``verify=`` in their constructor.
-    verify: bool = False
+    #: The options this path was built with (checked once, when it was built): an installer's own; the defaults
+    #: (no read-back by default) for the other paths.
+    options: InstallerOptions = InstallerOptions()
 
     def __init__(
         self,
@@ -121,6 +120,17 @@ class WeightInstallAdapter(ABC):
     def label(self) -> str:
         """Name used in reports (adapters with a transport add its name)."""
         return self.name
+
+    @property
+    def abilities(self) -> PathAbilities:
+        """What this path can do (read back, deltas), against which the options of each install are checked
+        (:meth:`InstallerOptions.check_call`): by default, neither."""
+        return PathAbilities(self.label)
+
+    @property
+    def verify(self) -> bool:
+        """Default of ``install(verify=...)``."""
+        return self.options.verify
 
     # ------------------------------------------------------------------ what a fleet asks of a replica's adapter
     @property
@@ -162,7 +172,7 @@ class WeightInstallAdapter(ABC):
         *,
         force: bool = False,
         delta: bool = False,
-        verify: bool | Literal["strict"] | None = None,
+        verify: VerifyOption = None,
         cast: Cast | None = None,
         family: FamilyCheck | None = None,
     ) -> InstallReport:
@@ -205,12 +215,7 @@ class WeightInstallAdapter(ABC):
                 "raise lock_timeout"
             )
         try:
-            call = InstallCall(self._verify_option(verify), strict=verify == "strict")
-            if call.verify and delta:
-                raise ValueError(
-                    "verify=True and delta=True do not combine yet (a delta install reinstalls only the "
-                    "touched blocks); nothing was written. Install with one of them."
-                )
+            call = InstallCall(self.options.check_call(verify, delta, self.abilities), strict=verify == "strict")
             items = tensors if isinstance(tensors, CastItems) else _as_items(tensors)  # lazy stays lazy
             return log_report(self._install_locked(call, manifest, items, force, delta, cast, family))
         finally:
@@ -231,9 +236,6 @@ class WeightInstallAdapter(ABC):
                 manifest, items = self._cast(manifest, items, cast)
             send, skipped = self._validate(manifest, items, force)
             probe = family.probe() if family is not None and family.probe is not None else None
-            refusal = self._delta_refusal() if delta else None
-            if refusal is not None:
-                raise EngineNotSupportedError(f"{refusal}; nothing was written. Install with delta=False.")
         encoded = self._encode_delta(manifest, send, timer) if delta and self._delta.base is not None else None
         self._delta.tracking = self._delta.tracking or delta  # from the first delta install on, keep a copy
         with timer.writing:  # holds the gate from the first write until the cache is reset
@@ -495,27 +497,11 @@ class WeightInstallAdapter(ABC):
             logger.warning("verify=True read nothing back (%d tensors unreadable): %s", unreadable, note)
         return note
 
-    def _verify_option(self, verify: bool | Literal["strict"] | None) -> bool:
-        if verify not in (None, True, False, "strict"):
-            raise ValueError(f'verify must be True, False, "strict" or None, not {verify!r}; nothing was written')
-        wanted = bool(self.verify if verify is None else verify)
-        if wanted and not self.verifies_readback:
-            raise ValueError(
-                f"the {self.label} adapter cannot read the engine's parameters back, so verify=True is refused; "
-                "nothing was written. Read-back needs the install session in the engine: an in-process engine, or one "
-                "started with the worker extension (what hotweights.install picks there)."
-            )
-        return wanted
-
     @staticmethod
     def _ran(timer: InstallCall, method: str, reason: str) -> None:
         """Called by an adapter's :meth:`_install`: which install path ran (e.g. ``"direct"``) and why, for the
         report (``install_method``, ``install_reason``)."""
         timer.path = (method, reason)
-
-    def _delta_refusal(self) -> str | None:
-        """Why this adapter cannot install deltas now (None: it can)."""
-        return f"the {self.label} adapter does not install deltas"
 
     def _install_delta(
         self, manifest: WeightUpdateManifest, delta: EncodedDelta, staged: StagedDelta, timer: InstallCall

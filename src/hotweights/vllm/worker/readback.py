@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from hotweights.engine.staging import InstallSession
+    from hotweights.vllm.worker.staging import InstallSession
 
 __all__ = ["readback", "verify_experts"]
 
@@ -83,7 +83,7 @@ def _packer(layer: Any) -> tuple[Any, str]:
     isa = getattr(experts, "isa", None)
     if isa is None:  # a GPU kernel may shuffle its layout in ways not rebuilt here
         return None, f"{type(experts).__name__}'s layout is not rebuilt here (CPU experts are)"
-    from hotweights.engine.compat import cpu_prepack_moe_weight
+    from hotweights.vllm.compat import cpu_prepack_moe_weight
 
     prepack = cpu_prepack_moe_weight()
     return (lambda w: prepack(w, isa)), ""
@@ -96,7 +96,7 @@ def readback(model: torch.nn.Module, session: InstallSession, items: Any) -> dic
     Fused-MoE experts are checked in the kernel's own layout (:func:`verify_experts`) on every model. What neither
     covers is counted unreadable, and ``readback_note`` says why."""
     from hotweights.core.cast import lazy_mapping
-    from hotweights.engine.direct import direct_refusals, model_slots, plan_direct, verify_readback
+    from hotweights.vllm.worker.setter import direct_refusals, model_slots, plan_direct, verify_readback
 
     tensors = lazy_mapping(items)
     experts_equal, experts_bad, note = verify_experts(model, tensors)

@@ -18,7 +18,7 @@ from typing import Any
 from hotweights.core import attach
 from hotweights.core.errors import WeightManifestValidationError
 from hotweights.core.manifest import ExpectedWeights, TensorSpec, WeightUpdateManifest, dtype_to_str
-from hotweights.engine import compat
+from hotweights.vllm import compat
 
 __all__ = ["check_manifest", "checkpoint_dir", "checkpoint_expected", "expected_from_config", "expected_weights"]
 

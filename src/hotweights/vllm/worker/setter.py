@@ -21,7 +21,7 @@ import torch
 from hotweights.core.errors import EngineNotSupportedError, Mismatch, WeightManifestValidationError
 from hotweights.core.manifest import TensorSpec
 from hotweights.core.placement import ParamKind, Placement, TargetParam, place
-from hotweights.engine.worker_ops import refresh_tied_layers
+from hotweights.vllm.worker.ops import refresh_tied_layers
 
 __all__ = [
     "DirectPlan",

@@ -1,1 +1,0 @@
-"""hotweights.engine"""
