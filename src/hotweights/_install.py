@@ -4,28 +4,24 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Literal, TypedDict
 
 from hotweights._family import check_family
 from hotweights.adapters.contract import WeightInstallAdapter
 from hotweights.adapters.registry import adapter_for, adapter_of, cached_adapter
 from hotweights.core import attach
-from hotweights.core.cast import Cast, CastItems
+from hotweights.core.cast import Cast
 from hotweights.core.errors import (
     EngineNotSupportedError,
-    Mismatch,
-    UnsupportedLayoutError,
-    WeightManifestValidationError,
 )
 from hotweights.core.families import Unproven
 from hotweights.core.layout import WeightLayout
-from hotweights.core.manifest import MetadataValue, TensorsLike, TensorSpec, WeightUpdateManifest, _as_items
-from hotweights.core.names import to_checkpoint
+from hotweights.core.manifest import MetadataValue, TensorsLike, WeightUpdateManifest, _as_items
 from hotweights.core.report import InstallReport
-from hotweights.core.sharded import Gatherer, agree, follow, is_sharded
-from hotweights.handles import EngineHandle, PauseMode, as_engine
+from hotweights.core.sharded import agree, follow, gathering, is_sharded
+from hotweights.core.sources import LocalTensors, TensorSource
+from hotweights.handles import PauseMode, as_engine
 from hotweights.vllm import compat
 
 if TYPE_CHECKING:
@@ -147,9 +143,8 @@ def install(
         >>> print(report)                                                               # doctest: +SKIP
     """
     items = _as_items(tensors)  # once: an iterator (model.named_parameters()) is read here
-    if _collective(engine, items, options):
-        return _install_sharded(engine, items, weight_version, **options)
-    return _install(_sync_handle(engine), items, weight_version, **options)
+    collective = _collective(engine, items, options)
+    return _run(engine, items, weight_version, collective, **options)
 
 
 def _collective(engine: Any, items: list[tuple[str, torch.Tensor]], options: Mapping[str, Any]) -> bool:
@@ -158,16 +153,6 @@ def _collective(engine: Any, items: list[tuple[str, torch.Tensor]], options: Map
     layout = options.get("layout")
     chunks = layout is not None and not layout.is_full
     return engine is None or options.get("group") is not None or chunks or is_sharded(items)
-
-
-def _sync_handle(engine: Any) -> EngineHandle:
-    handle = as_engine(engine)
-    if handle.kind == "async_llm":
-        raise EngineNotSupportedError(
-            "this is an AsyncLLM: its calls are awaited on its event loop, so install from async code with "
-            "`report = await hotweights.install_async(engine, tensors, weight_version=step)`"
-        )
-    return handle
 
 
 async def install_async(
@@ -193,75 +178,69 @@ async def install_async(
         assert isinstance(handle, AsyncLLMHandle)
         handle.bind(asyncio.get_running_loop(), options.get("pause", "wait"))
     items = _as_items(tensors)  # once: an iterator (model.named_parameters()) is read here
-    if handle is None or _collective(handle, items, options):
-        return await asyncio.to_thread(_install_sharded, handle, items, weight_version, **options)
-    return await asyncio.to_thread(_install, handle, items, weight_version, **options)
+    collective = handle is None or _collective(handle, items, options)
+    return await asyncio.to_thread(_run, handle, items, weight_version, collective, on_loop=True, **options)
 
 
-def _install_sharded(
+def _run(
     engine: Any,
-    tensors: TensorsLike,
+    items: list[tuple[str, torch.Tensor]],
     weight_version: int,
+    collective: bool,
     *,
+    on_loop: bool = False,
     group: Any = None,
     layout: WeightLayout | None = None,
-    **options: Any,
-) -> InstallReport:
-    """One rank's part of a sharded install (:mod:`hotweights.core.sharded`): the rank with the engine leads and
-    installs, gathering each tensor when it is read; the others join the gathers and return its outcome. With a
-    tensor-parallel ``layout``, plain tensors are this rank's chunks, gathered into the engine's full shapes."""
-    items = _as_items(tensors)
-    tp = (layout.tp_rank, layout.tp_size) if layout is not None and not layout.is_full else None
-    leader = agree(items, weight_version, engine is not None, group, tp)
-    if engine is None:
-        return follow(items, leader, group)
-    gatherer = Gatherer(items, leader, group)
-    try:
-        handle = engine if isinstance(engine, EngineHandle) and engine.kind == "async_llm" else _sync_handle(engine)
-        full = None if tp is not None else layout  # what the engine receives: whole tensors
-        cut = tp[1] if tp is not None else None
-        report = _install(handle, items, weight_version, gatherer=gatherer, tp_size=cut, layout=full, **options)
-    except BaseException as exc:
-        with contextlib.suppress(Exception):  # the group broke (maybe why it failed): the others fail on it too
-            gatherer.finish(exc)
-        raise
-    gatherer.finish(report)
-    return report
-
-
-def _install(
-    handle: EngineHandle,
-    tensors: TensorsLike,
-    weight_version: int,
-    *,
-    update_id: str | None = None,
-    layout: WeightLayout | None = None,
-    metadata: Mapping[str, MetadataValue] | None = None,
-    force: bool = False,
-    digests: bool = False,
     pause: PauseMode = "wait",
     adapter: WeightInstallAdapter | None = None,
+    unproven: Unproven | None = None,
+    update_id: str | None = None,
+    metadata: Mapping[str, MetadataValue] | None = None,
+    digests: bool = False,
+    force: bool = False,
     delta: bool = False,
     verify: bool | Literal["strict"] | None = None,
     cast: Cast | None = None,
-    unproven: Unproven | None = None,
-    group: Any = None,
-    gatherer: Gatherer | None = None,
-    tp_size: int | None = None,
 ) -> InstallReport:
-    if adapter is not None and getattr(adapter, "engine", handle) is not handle:
-        raise ValueError("adapter= was built on another engine than the one passed to install; build it on this one")
-    handle.check_pause_mode(pause)
-    chosen = adapter or adapter_of(handle)
-    fields: dict[str, Any] = {"update_id": update_id, "layout": layout, "metadata": metadata}
-    items: Sequence[tuple[str, torch.Tensor]]
-    if gatherer is None:
-        items, manifest = update_for(chosen, tensors, weight_version, digests=digests, **fields)
-    else:
-        items, manifest = _gathered_update(chosen, gatherer, weight_version, digests=digests, tp_size=tp_size, **fields)
-    family = check_family(handle, items, unproven)
-    with handle.installing(pause, chosen.lock_timeout):
-        return chosen.install(manifest, items, force=force, delta=delta, verify=verify, cast=cast, family=family)
+    """One install, start to end: where the tensors come from (this rank's, or gathered from every rank of a
+    sharded install, which the engine's rank leads and the others follow), the engine's handle (made here, once),
+    the adapter that fits it, the update under the names the engine loads, the family guard, then the adapter's
+    install under the engine's install lock. ``on_loop``: called for :func:`install_async` (an ``AsyncLLM`` is
+    driven from its loop)."""
+    chunks = layout is not None and not layout.is_full
+    source: TensorSource = LocalTensors(items)
+    if collective:
+        tp = (layout.tp_rank, layout.tp_size) if layout is not None and chunks else None
+        leader = agree(items, weight_version, engine is not None, group, tp)
+        if engine is None:
+            return follow(items, leader, group)
+        source = gathering(items, leader, group, tp_size=tp[1] if tp is not None else None)
+        layout = None if chunks else layout  # the engine receives whole tensors
+    try:
+        handle = as_engine(engine)
+        if handle.kind == "async_llm" and not on_loop:
+            raise EngineNotSupportedError(
+                "this is an AsyncLLM: its calls are awaited on its event loop, so install from async code with "
+                "`report = await hotweights.install_async(engine, tensors, weight_version=step)`"
+            )
+        if adapter is not None and getattr(adapter, "engine", handle) is not handle:
+            raise ValueError(
+                "adapter= was built on another engine than the one passed to install; build it on this one"
+            )
+        handle.check_pause_mode(pause)
+        chosen = adapter or adapter_of(handle)
+        sent, manifest = source.update(
+            chosen.expected, weight_version, update_id=update_id, layout=layout, metadata=metadata, digests=digests
+        )
+        family = check_family(handle, sent, unproven)
+        with handle.installing(pause, chosen.lock_timeout):
+            report = chosen.install(manifest, sent, force=force, delta=delta, verify=verify, cast=cast, family=family)
+    except BaseException as exc:
+        with contextlib.suppress(Exception):  # the group broke (maybe why it failed): the others fail on it too
+            source.finish(exc)
+        raise
+    source.finish(report)
+    return report
 
 
 def update_for(
@@ -275,64 +254,7 @@ def update_for(
     digests: bool = False,
 ) -> tuple[list[tuple[str, torch.Tensor]], WeightUpdateManifest]:
     """The tensors under the names ``adapter``'s engine loads, and their manifest."""
-    items = _checkpoint_names(adapter, _as_items(tensors))
-    manifest = WeightUpdateManifest.from_state_dict(
-        items, weight_version=weight_version, update_id=update_id, layout=layout, metadata=metadata, digests=digests
+    source = LocalTensors(_as_items(tensors))
+    return source.update(
+        adapter.expected, weight_version, update_id=update_id, layout=layout, metadata=metadata, digests=digests
     )
-    return items, manifest
-
-
-def _checkpoint_names(
-    adapter: WeightInstallAdapter, items: list[tuple[str, torch.Tensor]]
-) -> list[tuple[str, torch.Tensor]]:
-    """transformers 5's in-memory names (fused MoE experts, ...) -> the checkpoint's, for ``adapter``'s engine."""
-    expected = adapter.expected
-    if expected is None:
-        return items
-    out, _ = to_checkpoint(items, expected.tensors, expected.model_type, architectures=expected.architectures)
-    return list(out)
-
-
-def _gathered_update(
-    adapter: WeightInstallAdapter,
-    gatherer: Gatherer,
-    weight_version: int,
-    *,
-    digests: bool,
-    tp_size: int | None = None,
-    **fields: Any,
-) -> tuple[CastItems, WeightUpdateManifest]:
-    """:func:`update_for` on a sharded state dict: names, shapes and dtypes from the gatherer's placeholders, the
-    data gathered when the install reads it. ``tp_size``: plain tensors are tensor-parallel chunks of the engine's
-    checkpoint shapes (each one's cut found from its shape)."""
-    if digests:
-        raise ValueError(
-            "digests=True hashes every tensor before sending, which would gather the whole sharded model first; "
-            "install without digests (the engine still checks names, shapes and dtypes). Nothing was written."
-        )
-    if tp_size is not None:
-        expected = adapter.expected
-        if expected is None:
-            raise UnsupportedLayoutError(
-                "tensor-parallel chunks are gathered into the engine's checkpoint shapes, which are not known for "
-                "this engine; gather them into full tensors (or DTensors) and install those. Nothing was written."
-            )
-        problems = gatherer.cut({n: s.shape for n, s in expected.tensors.items()}, tp_size)
-        if problems:
-            raise WeightManifestValidationError(problems, context="tensor-parallel chunks")
-    items = _checkpoint_names(adapter, gatherer.placeholders())
-    lost = gatherer.unresolved(items)
-    if lost:
-        raise UnsupportedLayoutError(
-            f"{len(lost)} tensor(s) of this model ({', '.join(lost[:3])}, ...) are converted to the engine's names "
-            "by a copy, not a view, which a sharded install cannot gather tensor by tensor; call full_tensor() on "
-            "each DTensor and install from one rank. Nothing was written."
-        )
-    repeated = sorted(n for n, seen in Counter(n for n, _ in items).items() if seen > 1)
-    if repeated:
-        raise WeightManifestValidationError(
-            [Mismatch("manifest", n, actual="name appears more than once") for n in repeated]
-        )
-    specs = {n: TensorSpec.of(t) for n, t in items}
-    manifest = WeightUpdateManifest.from_specs(specs, weight_version=weight_version, **fields)
-    return CastItems(items, {}, gatherer.load), manifest

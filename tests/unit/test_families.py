@@ -126,6 +126,7 @@ def test_an_unproven_family_on_a_paused_scheduler_is_refused_not_probed() -> Non
 
     class Handle:
         probes = True
+        guards_family = True
 
         def __init__(self, paused: bool, asleep: bool) -> None:
             self.paused, self.asleep = paused, asleep

@@ -354,9 +354,8 @@ def test_a_dropped_transport_takes_its_files_and_segments() -> None:
     assert not [p for p in shm._LOCKS if p.name.startswith(f"hotweights-{os.getpid()}-")]
 
 
-@pytest.mark.parametrize("where", ["link", "handle"])
-def test_the_engines_shutdown_releases_the_files(where: str) -> None:
-    """A link (or the engine handle it holds as ``engine``) with ``on_shutdown(callback)``: the transport registers a
+def test_the_engines_shutdown_releases_the_files() -> None:
+    """A link with ``on_shutdown(callback)`` (an installer: its engine handle's hook): the transport registers a
     release that holds no reference to it; the shutdown removes its files without calling the (gone) workers."""
     hooks: list[Callable[[], None]] = []
 
@@ -365,10 +364,7 @@ def test_the_engines_shutdown_releases_the_files(where: str) -> None:
             hooks.append(callback)
 
     link = _Link()
-    if where == "link":
-        link.on_shutdown = Handle().on_shutdown  # type: ignore[attr-defined]
-    else:
-        link.engine = Handle()  # type: ignore[attr-defined]
+    link.on_shutdown = Handle().on_shutdown  # type: ignore[attr-defined]
     transport = shm.Transport()
     transport.connect(link)
     kept = shm.Transport(keep_segments=True)

@@ -1,8 +1,9 @@
-"""Install paths into a vLLM engine: one contract (:class:`WeightInstallAdapter`), one class per path.
+"""Install paths into a vLLM engine: one contract (:class:`WeightInstallAdapter`), one installer
+(:class:`Installer`: a wire, a transport and :class:`InstallerOptions`, checked once), and its named configurations:
 
-- :class:`VLLMInProcessWeightReloadAdapter`: an in-process ``LLM``, the install session called directly, tensors
-  handed over by reference; vLLM's layerwise reload by default, or ``install_method="auto"`` (what
-  ``hotweights.install`` uses) / ``"direct"``;
+- :class:`VLLMInProcessAdapter`: an in-process ``LLM``, the install session called directly, tensors handed over
+  by reference; ``install_method="auto"`` by default (what ``hotweights.install`` uses), ``"reload"`` or
+  ``"direct"``; :class:`VLLMInProcessWeightReloadAdapter` is the same with ``"reload"`` by default;
 - :class:`VLLMDirectSetterAdapter`: the same with ``install_method="direct"``: tensors copied straight into the
   engine's parameters;
 - :class:`VLLMMultiprocessAdapter`: an engine started with ``hotweights.WORKER_EXTENSION``, buckets through a
@@ -17,14 +18,19 @@ on an engine shares that engine's handle (the serving gate, the active version, 
 
 from hotweights.adapters.contract import PrefixCachePolicy, WeightInstallAdapter
 from hotweights.adapters.direct import VLLMDirectSetterAdapter
-from hotweights.adapters.inprocess import VLLMInProcessWeightReloadAdapter
+from hotweights.adapters.inprocess import VLLMInProcessAdapter, VLLMInProcessWeightReloadAdapter
+from hotweights.adapters.installer import Installer
 from hotweights.adapters.multiprocess import VLLMMultiprocessAdapter
 from hotweights.adapters.native import VLLMWeightTransferAdapter
+from hotweights.adapters.options import InstallerOptions
 from hotweights.adapters.weights_path import VLLMWeightsPathAdapter
 
 __all__ = [
+    "Installer",
+    "InstallerOptions",
     "PrefixCachePolicy",
     "VLLMDirectSetterAdapter",
+    "VLLMInProcessAdapter",
     "VLLMInProcessWeightReloadAdapter",
     "VLLMMultiprocessAdapter",
     "VLLMWeightTransferAdapter",

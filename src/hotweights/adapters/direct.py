@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from hotweights.adapters._vllm import EngineOptions
-from hotweights.adapters.inprocess import VLLMInProcessWeightReloadAdapter
+from hotweights.adapters.inprocess import VLLMInProcessAdapter
 from hotweights.adapters.options import InstallMethod
 from hotweights.core.manifest import WeightUpdateManifest
 from hotweights.vllm.worker.setter import DirectPlan, model_slots, plan_direct, refuse_unproven
@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 __all__ = ["VLLMDirectSetterAdapter"]
 
 
-class VLLMDirectSetterAdapter(VLLMInProcessWeightReloadAdapter):
+class VLLMDirectSetterAdapter(VLLMInProcessAdapter):
     """Copies checkpoint-format tensors into the engine's own parameters, in place: the in-process install session
     with ``install_method="direct"``.
 

@@ -18,25 +18,26 @@ from hotweights.vllm import compat
 if TYPE_CHECKING:
     from typing_extensions import Unpack
 
-__all__ = ["VLLMInProcessWeightReloadAdapter"]
+__all__ = ["VLLMInProcessAdapter", "VLLMInProcessWeightReloadAdapter"]
 
 
-class VLLMInProcessWeightReloadAdapter(Installer):
-    """Installs checkpoint-format tensors into an in-process ``vllm.LLM``.
+class VLLMInProcessAdapter(Installer):
+    """Installs checkpoint-format tensors into an in-process ``vllm.LLM``; ``install_method="auto"`` by default (what
+    :func:`hotweights.install` uses there).
 
     The engine must run in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``). The install session
     (:mod:`hotweights.vllm.worker.session`) runs in the engine's worker, called directly: the manifest and the tensors
     are handed over by reference, never serialised or copied. The worker checks the manifest against the
     checkpoint it serves, then installs every tensor at once: by vLLM's layerwise reload (``install_method=
-    "reload"``, this class's default: fused parameters are rebuilt from complete parts and vLLM's post-load
-    processing, e.g. oneDNN packing on CPU, runs on the new weights), by the direct setter (``"direct"``), or by
-    whichever the setter's plan proves safe (``"auto"``, what :func:`hotweights.install` uses). Nothing is staged
+    "reload"``: fused parameters are rebuilt from complete parts and vLLM's post-load processing, e.g. oneDNN packing
+    on CPU, runs on the new weights), by the direct setter (``"direct"``), or by whichever the setter's plan proves
+    safe (``"auto"``, the default). Nothing is staged
     aside (the tensors are the caller's), so a failure while writing leaves a partial update: the engine then
     fails closed until a full install.
 
     Args:
         engine: the ``vllm.LLM``.
-        install_method: ``"reload"`` (default), ``"direct"`` or ``"auto"``.
+        install_method: ``"auto"`` (default), ``"reload"`` or ``"direct"``.
         expected: what the engine accepts; by default read from the safetensors headers of the model directory the
             engine was started from, in the engine's dtype.
         prefix_cache: ``"reset"`` (default) or ``"keep"``.
@@ -47,13 +48,13 @@ class VLLMInProcessWeightReloadAdapter(Installer):
         verify: default of ``install(..., verify=...)``: read the live parameters back after the install.
 
     Example:
-        >>> adapter = VLLMInProcessWeightReloadAdapter(llm)                          # doctest: +SKIP
+        >>> adapter = VLLMInProcessAdapter(llm)                                      # doctest: +SKIP
         >>> manifest = WeightUpdateManifest.from_module(model, weight_version=step)  # doctest: +SKIP
         >>> adapter.install(manifest, model.state_dict())                            # doctest: +SKIP
     """
 
     name = "inprocess"
-    default_method: InstallMethod = "reload"
+    default_method: InstallMethod = "auto"
 
     def __init__(
         self,
@@ -91,7 +92,14 @@ class VLLMInProcessWeightReloadAdapter(Installer):
         return compat.inprocess_model(self.llm)
 
 
-def for_engine(handle: EngineHandle) -> VLLMInProcessWeightReloadAdapter:
+class VLLMInProcessWeightReloadAdapter(VLLMInProcessAdapter):
+    """:class:`VLLMInProcessAdapter` with vLLM's layerwise reload by default (``install_method="reload"``): its
+    former name, and a configuration of its own."""
+
+    default_method: InstallMethod = "reload"
+
+
+def for_engine(handle: EngineHandle) -> VLLMInProcessAdapter:
     """The adapter :func:`hotweights.install` builds on the route ``inprocess``:
     the session in this process, ``install_method="auto"``."""
-    return VLLMInProcessWeightReloadAdapter(handle, install_method="auto")
+    return VLLMInProcessAdapter(handle)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 from hotweights.adapters._vllm import EngineOptions, VLLMEngineAdapter
@@ -150,6 +150,10 @@ class Installer(VLLMEngineAdapter):
 
     def engine_op(self, op: str, **args: Any) -> list[Any]:
         return self.wire.engine_op(op, **args)
+
+    def on_shutdown(self, callback: Callable[[], object]) -> None:
+        """Run ``callback`` when the engine stops (where its kind has a hook: see ``EngineHandle.on_shutdown``)."""
+        self.engine.on_shutdown(callback)
 
     # ------------------------------------------------------------------ the session
     def _session_options(self, timer: InstallCall, **more: Any) -> SessionOptions:

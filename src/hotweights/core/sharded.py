@@ -28,6 +28,7 @@ import bisect
 import hashlib
 import json
 import threading
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -35,10 +36,19 @@ import torch
 import torch.distributed as dist
 
 from hotweights.core import envelope
-from hotweights.core.errors import HotWeightsError, InstallError, Mismatch, WeightManifestValidationError
+from hotweights.core.cast import CastItems
+from hotweights.core.errors import (
+    HotWeightsError,
+    InstallError,
+    Mismatch,
+    UnsupportedLayoutError,
+    WeightManifestValidationError,
+)
+from hotweights.core.manifest import ExpectedWeights, MetadataValue, TensorSpec, WeightUpdateManifest
 from hotweights.core.report import InstallReport
+from hotweights.core.sources import TensorSource, checkpoint_names
 
-__all__ = ["Gatherer", "agree", "follow", "is_sharded"]
+__all__ = ["Gatherer", "agree", "follow", "gathering", "is_sharded"]
 
 Items = Sequence[tuple[str, torch.Tensor]]
 
@@ -198,11 +208,18 @@ def agree(items: Items, weight_version: int, leads: bool, group: Any = None, tp:
     return leaders[0]
 
 
+def gathering(items: Items, leader: int, group: Any = None, tp_size: int | None = None) -> TensorSource:
+    """The leader's source of a sharded install (:class:`Gatherer`): ``items`` as placeholders, each tensor
+    gathered from every rank when the install reads it."""
+    return Gatherer(items, leader, group, tp_size)
+
+
 class Gatherer:
     """The leader's side: placeholders to validate and plan with, and the gather of each tensor when it is read."""
 
-    def __init__(self, items: Items, leader: int, group: Any = None) -> None:
+    def __init__(self, items: Items, leader: int, group: Any = None, tp_size: int | None = None) -> None:
         cls = _dtensor()
+        self._tp_size = tp_size
         self._sources = list(items)
         self._group = group
         self._src = dist.get_global_rank(group, leader) if group is not None else leader
@@ -222,6 +239,53 @@ class Gatherer:
         self._lock = threading.Lock()
         self.gathers = 0
         """How many gathers were started (one per tensor when the install reads them in order)."""
+
+    def update(
+        self,
+        expected: ExpectedWeights | None,
+        weight_version: int,
+        *,
+        update_id: str | None = None,
+        layout: Any = None,
+        metadata: Mapping[str, MetadataValue] | None = None,
+        digests: bool = False,
+    ) -> tuple[CastItems, WeightUpdateManifest]:
+        """The update (:class:`~hotweights.core.sources.TensorSource`) of a sharded state dict: names, shapes and
+        dtypes from the placeholders, the data gathered when the install reads it. With ``tp_size``, plain tensors
+        are tensor-parallel chunks of the engine's checkpoint shapes (each one's cut found from its shape)."""
+        if digests:
+            raise ValueError(
+                "digests=True hashes every tensor before sending, which would gather the whole sharded model first; "
+                "install without digests (the engine still checks names, shapes and dtypes). Nothing was written."
+            )
+        if self._tp_size is not None:
+            if expected is None:
+                raise UnsupportedLayoutError(
+                    "tensor-parallel chunks are gathered into the engine's checkpoint shapes, which are not known "
+                    "for this engine; gather them into full tensors (or DTensors) and install those. Nothing was "
+                    "written."
+                )
+            problems = self.cut({n: s.shape for n, s in expected.tensors.items()}, self._tp_size)
+            if problems:
+                raise WeightManifestValidationError(problems, context="tensor-parallel chunks")
+        items = checkpoint_names(expected, self.placeholders())
+        lost = self.unresolved(items)
+        if lost:
+            raise UnsupportedLayoutError(
+                f"{len(lost)} tensor(s) of this model ({', '.join(lost[:3])}, ...) are converted to the engine's "
+                "names by a copy, not a view, which a sharded install cannot gather tensor by tensor; call "
+                "full_tensor() on each DTensor and install from one rank. Nothing was written."
+            )
+        repeated = sorted(n for n, seen in Counter(n for n, _ in items).items() if seen > 1)
+        if repeated:
+            raise WeightManifestValidationError(
+                [Mismatch("manifest", n, actual="name appears more than once") for n in repeated]
+            )
+        specs = {n: TensorSpec.of(t) for n, t in items}
+        manifest = WeightUpdateManifest.from_specs(
+            specs, weight_version=weight_version, update_id=update_id, layout=layout, metadata=metadata
+        )
+        return CastItems(items, {}, self.load), manifest
 
     def placeholders(self) -> list[tuple[str, torch.Tensor]]:
         """``(name, tensor)`` with every ``DTensor`` as a ``meta`` tensor of its global shape and dtype."""

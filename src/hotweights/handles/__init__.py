@@ -5,6 +5,8 @@ shares: the serving gate, the active version and the delta base."""
 
 from __future__ import annotations
 
+import importlib
+from collections.abc import Callable
 from typing import Any
 
 from hotweights.core import attach
@@ -13,6 +15,13 @@ from hotweights.handles.handle import EngineHandle, PauseMode
 from hotweights.vllm import compat
 
 __all__ = ["EngineHandle", "PauseMode", "as_engine"]
+
+
+#: Engine kind (:func:`hotweights.vllm.compat.engine_kind`) -> its handle class, imported on first use.
+_KINDS = {
+    "llm": "hotweights.handles.llm:LLMHandle",
+    "async_llm": "hotweights.handles.async_llm:AsyncLLMHandle",
+}
 
 
 def as_engine(obj: Any) -> EngineHandle:
@@ -24,28 +33,21 @@ def as_engine(obj: Any) -> EngineHandle:
     """
     if isinstance(obj, EngineHandle):
         return obj
-    handle = attach.get(obj, "handle")
-    if isinstance(handle, EngineHandle):
-        return handle
     kind = compat.engine_kind(obj)
-    if not kind:
+    if kind not in _KINDS:
         raise EngineNotSupportedError(
             f"{type(obj).__name__} is not an engine hotweights can install into: pass a vllm.LLM, a vLLM AsyncLLM, "
             "or the handle returned by hotweights.connect(url) for a `vllm serve` process"
         )
+    make = _handle_class(kind)
     # Kept on the engine object itself (a registry keyed by engine would keep every engine alive); two first
     # installs from two threads build one handle.
-    made: EngineHandle = attach.value(obj, "handle", lambda: _new_handle(obj, kind))
-    return made
+    handle: EngineHandle = attach.value(obj, "handle", lambda: make(obj))
+    return handle
 
 
-def _new_handle(obj: Any, kind: str) -> EngineHandle:
+def _handle_class(kind: str) -> Callable[[Any], EngineHandle]:
+    module, _, name = _KINDS[kind].partition(":")
     compat.warn_untested_vllm()
-    if kind == "llm":
-        from hotweights.handles.llm import LLMHandle
-
-        return LLMHandle(obj)
-    if kind == "async_llm":
-        from hotweights.handles.async_llm import AsyncLLMHandle
-
-    return AsyncLLMHandle(obj)
+    made: Callable[[Any], EngineHandle] = getattr(importlib.import_module(module), name)
+    return made

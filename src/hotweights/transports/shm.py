@@ -402,16 +402,14 @@ class Transport(WeightTransport):
         self._finalizer = weakref.finalize(self, _release, self._files, self._kept)
 
     def connect(self, engine: EngineLink) -> None:
-        """Keep ``engine`` to release the workers' segments through; where the link (or the engine handle it holds
-        as ``engine``) offers ``on_shutdown(callback)``, everything this transport holds goes when the engine stops."""
+        """Keep ``engine`` to release the workers' segments through; where the link offers
+        ``on_shutdown(callback)``, everything this transport holds goes when the engine stops."""
         self._engine = engine
         # An engine that keeps no view of a bucket after its stage lets one segment carry every bucket.
         self._one_segment = bool(getattr(engine, "releases_buckets_after_stage", False))
-        for owner in (engine, getattr(engine, "engine", None)):
-            on_shutdown = getattr(owner, "on_shutdown", None)
-            if callable(on_shutdown):
-                on_shutdown(_released_by(self))
-                break
+        on_shutdown = getattr(engine, "on_shutdown", None)
+        if callable(on_shutdown):
+            on_shutdown(_released_by(self))
 
     def close(self) -> None:
         """Remove the reused bucket files; unmap the kept segments here and ask the workers to unmap theirs (a

@@ -28,7 +28,10 @@ Stage = Callable[[Descriptor], None]
 
 @runtime_checkable
 class EngineLink(Protocol):
-    """What a transport may ask of the engine besides staging: an operation on every worker, and their count."""
+    """What a transport may ask of the engine besides staging: an operation on every worker, and their count. A
+    link may also offer ``releases_buckets_after_stage`` (the workers keep no view of a bucket once staged, so one
+    buffer can carry every bucket) and ``on_shutdown(callback)`` (run when the engine stops); a transport reads
+    both with ``getattr``, so a minimal link needs neither."""
 
     @property
     def num_workers(self) -> int: ...
