@@ -88,7 +88,10 @@ __all__ = [
 #: Names that were top-level exports before they moved to their submodule: ``hotweights.<name>`` still resolves
 #: (lazily, silently) to the object the submodule exports, but they are not in ``__all__`` or ``dir(hotweights)``.
 _MOVED = {
-    **dict.fromkeys(_adapters.__all__, "hotweights.adapters"),
+    **dict.fromkeys(
+        [n for n in _adapters.__all__ if n not in ("Installer", "InstallerOptions", "VLLMInProcessAdapter")],
+        "hotweights.adapters",
+    ),
     **dict.fromkeys(["EngineHandle", "PauseMode", "as_engine"], "hotweights.handles"),
     **dict.fromkeys(
         ["WeightTransport", "available_transports", "make_transport", "register_transport"], "hotweights.transports"

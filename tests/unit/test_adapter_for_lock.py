@@ -36,7 +36,7 @@ def test_a_slow_adapter_build_does_not_block_another_engine(monkeypatch: pytest.
         built.append(handle.name)
         return object()
 
-    monkeypatch.setattr(inprocess, "VLLMInProcessWeightReloadAdapter", build)
+    monkeypatch.setattr(inprocess, "VLLMInProcessAdapter", build)
     slow, fast = Handle("slow"), Handle("fast")
     t = threading.Thread(target=hotweights.adapter_for, args=(slow,))
     t.start()

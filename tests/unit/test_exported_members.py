@@ -54,7 +54,8 @@ EXPECTED_ALL = [
     "weight_versions_of",
 ]
 
-EXPECTED_ADAPTERS_ALL = [
+#: The adapters that were top-level exports once (``hotweights.<name>`` still resolves to them).
+FORMER_TOP_LEVEL_ADAPTERS = [
     "PrefixCachePolicy",
     "VLLMDirectSetterAdapter",
     "VLLMInProcessWeightReloadAdapter",
@@ -63,10 +64,11 @@ EXPECTED_ADAPTERS_ALL = [
     "VLLMWeightsPathAdapter",
     "WeightInstallAdapter",
 ]
+EXPECTED_ADAPTERS_ALL = sorted([*FORMER_TOP_LEVEL_ADAPTERS, "Installer", "InstallerOptions", "VLLMInProcessAdapter"])
 
 #: Former top-level exports -> their home now; ``hotweights.<name>`` still resolves there.
 MOVED = {
-    **dict.fromkeys(EXPECTED_ADAPTERS_ALL, "hotweights.adapters"),
+    **dict.fromkeys(FORMER_TOP_LEVEL_ADAPTERS, "hotweights.adapters"),
     **dict.fromkeys(["EngineHandle", "PauseMode", "as_engine"], "hotweights.handles"),
     **dict.fromkeys(
         ["WeightTransport", "available_transports", "make_transport", "register_transport"], "hotweights.transports"

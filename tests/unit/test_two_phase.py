@@ -40,14 +40,13 @@ def run_members(coordinator: two_phase.Coordinator, bodies: list[Any]) -> list[A
     outcomes: list[Any] = [None] * len(bodies)
 
     def run(i: int) -> None:
-        token = two_phase.enter(two_phase.Member(coordinator, i, 1024, 5.0))
+        member = two_phase.Member(coordinator, i, 1024, 5.0)
         try:
-            outcomes[i] = bodies[i]()
+            outcomes[i] = bodies[i](member)
         except BaseException as exc:
             outcomes[i] = exc
             coordinator.failed(i, exc)
         finally:
-            two_phase.leave(token)
             coordinator.done(i)
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(len(bodies))]
@@ -64,10 +63,10 @@ def test_a_shared_bucket_is_packed_once_and_staged_by_every_member() -> None:
     staged: dict[int, list[int]] = {0: [], 1: [], 2: []}
 
     def body(i: int) -> Any:
-        def go() -> str:
+        def go(member: two_phase.Member) -> str:
             for b in buckets:
-                two_phase.share(transport, b, tensors, lambda d, i=i: staged[i].append(d["index"]))
-            two_phase.commit_point()
+                two_phase.share(member, transport, b, tensors, lambda d, i=i: staged[i].append(d["index"]))
+            two_phase.commit_point(member)
             return "committed"
 
         return go
@@ -89,15 +88,15 @@ def test_one_members_failure_aborts_the_others_at_the_commit_point_and_while_wai
     coordinator = two_phase.Coordinator(3, staging_timeout=5.0)
     coordinator.add_group(transport, [1, 2])
 
-    def staged_first() -> str:
-        two_phase.commit_point()
+    def staged_first(member: two_phase.Member) -> str:
+        two_phase.commit_point(member)
         return "wrote"
 
-    def fails() -> str:
+    def fails(member: two_phase.Member) -> str:
         raise ValueError("bad tensor")
 
-    def waits_for_a_bucket() -> str:
-        two_phase.share(transport, buckets[0], tensors, lambda d: None)
+    def waits_for_a_bucket(member: two_phase.Member) -> str:
+        two_phase.share(member, transport, buckets[0], tensors, lambda d: None)
         return "wrote"
 
     outcomes, _ = run_members(coordinator, [staged_first, fails, waits_for_a_bucket])
@@ -121,8 +120,8 @@ def test_a_members_failing_stage_is_its_own_and_the_others_carry_on() -> None:
         raise ConnectionError("engine gone")
 
     bodies = [
-        lambda: two_phase.share(transport, buckets[0], tensors, lambda d: None) or "staged",
-        lambda: two_phase.share(transport, buckets[0], tensors, deliver_fails),
+        lambda m: two_phase.share(m, transport, buckets[0], tensors, lambda d: None) or "staged",
+        lambda m: two_phase.share(m, transport, buckets[0], tensors, deliver_fails),
     ]
     outcomes, threads = run_members(coordinator, bodies)
     for t in threads:
@@ -139,8 +138,8 @@ def test_members_that_plan_different_buckets_are_refused() -> None:
     coordinator.add_group(transport, [0, 1])
     other = buckets[0].model_copy(update={"nbytes": buckets[0].nbytes + 1})
     bodies = [
-        lambda: two_phase.share(transport, buckets[0], tensors, lambda d: None),
-        lambda: two_phase.share(transport, other, tensors, lambda d: None),
+        lambda m: two_phase.share(m, transport, buckets[0], tensors, lambda d: None),
+        lambda m: two_phase.share(m, transport, other, tensors, lambda d: None),
     ]
     outcomes, threads = run_members(coordinator, bodies)
     for t in threads:
@@ -152,7 +151,7 @@ def test_members_that_plan_different_buckets_are_refused() -> None:
 
 def test_no_decision_within_the_staging_expiry_aborts() -> None:
     coordinator = two_phase.Coordinator(1, staging_timeout=0.3)
-    outcomes, threads = run_members(coordinator, [lambda: two_phase.commit_point()])
+    outcomes, threads = run_members(coordinator, [two_phase.commit_point])
     start = time.monotonic()
     threads[0].join(5.0)
     assert 0.25 < time.monotonic() - start < 3.0
@@ -162,7 +161,7 @@ def test_no_decision_within_the_staging_expiry_aborts() -> None:
 def test_a_member_that_never_stages_times_the_fleet_out() -> None:
     coordinator = two_phase.Coordinator(2, staging_timeout=5.0)
     gate = threading.Event()
-    outcomes, threads = run_members(coordinator, [two_phase.commit_point, lambda: gate.wait(5.0)])
+    outcomes, threads = run_members(coordinator, [two_phase.commit_point, lambda m: gate.wait(5.0)])
     with pytest.raises(HotWeightsTimeoutError, match=r"replica\(s\) \[1\] did not finish staging"):
         coordinator.wait_staged(0.3)
     gate.set()
@@ -175,14 +174,14 @@ def test_outside_a_fleet_commit_point_returns_and_share_sends() -> None:
     buckets, tensors = plan(1)
     transport = Counting()
     got: list[Any] = []
-    two_phase.commit_point()
-    two_phase.share(transport, buckets[0], tensors, got.append)
+    two_phase.commit_point(None)
+    two_phase.share(None, transport, buckets[0], tensors, got.append)
     assert transport.sent == [0] and got == [{"transport": "counting", "index": 0}]
 
 
 def test_a_member_that_returns_without_stopping_is_not_waited_for_and_is_named() -> None:
     coordinator = two_phase.Coordinator(2, staging_timeout=5.0)
-    outcomes, threads = run_members(coordinator, [two_phase.commit_point, lambda: "installed at once"])
+    outcomes, threads = run_members(coordinator, [two_phase.commit_point, lambda m: "installed at once"])
     coordinator.wait_staged(2.0)  # does not hang on the member that never reached the commit point
     assert coordinator.unstopped == {1}
     assert coordinator.decide("commit")

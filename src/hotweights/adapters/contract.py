@@ -38,6 +38,7 @@ from hotweights.core.layout import SUPPORTED_FORMATS
 from hotweights.core.manifest import ExpectedWeights, TensorsLike, WeightUpdateManifest, _as_items
 from hotweights.core.probe import ProbeReference
 from hotweights.core.report import InstallReport, PhaseTimer
+from hotweights.core.two_phase import Member
 from hotweights.telemetry import best_effort, log_report
 
 __all__ = ["InstallCall", "PrefixCachePolicy", "WeightInstallAdapter"]
@@ -56,10 +57,12 @@ class InstallCall(PhaseTimer):
     share: the verify option, whether the engine may have been written, the gate it holds (``writing``), when it
     took it (the start of its stall) and which install path ran."""
 
-    def __init__(self, verify: bool = False, *, strict: bool = False) -> None:
+    def __init__(self, verify: bool = False, *, strict: bool = False, member: Member | None = None) -> None:
         super().__init__()
         self.verify = verify
         self.strict = strict
+        self.member = member
+        """The fleet member this install runs as (None: a plain install): it stops at the fleet's commit point."""
         self.writing = ExitStack()
         self.may_have_written = False
         self.held_since: float | None = None
@@ -175,6 +178,7 @@ class WeightInstallAdapter(ABC):
         verify: VerifyOption = None,
         cast: Cast | None = None,
         family: FamilyCheck | None = None,
+        member: Member | None = None,
     ) -> InstallReport:
         """Validate ``tensors`` against ``manifest`` and the engine, install them, and report.
 
@@ -196,6 +200,8 @@ class WeightInstallAdapter(ABC):
                 each tensor): floating-point tensors of another dtype are cast as they are sent, bucket by bucket
                 (never a second copy of the update); ``report.cast_tensors`` counts them. ``manifest`` describes
                 ``tensors`` as given. None (default): a dtype that differs from the engine's is refused.
+            member: run as this member of a fleet (:class:`~hotweights.fleet.Fleet` passes it): the install stops
+                at the fleet's commit point, staged, until every replica staged (see :mod:`hotweights.core.two_phase`).
             family: how the model's family is guarded (:func:`hotweights._family.check_family`, which
                 ``hotweights.install`` runs): its probe is scored after the write, before generation is let back
                 in, and a difference fails closed (:class:`FamilyProbeError`).
@@ -215,7 +221,8 @@ class WeightInstallAdapter(ABC):
                 "raise lock_timeout"
             )
         try:
-            call = InstallCall(self.options.check_call(verify, delta, self.abilities), strict=verify == "strict")
+            wanted = self.options.check_call(verify, delta, self.abilities)
+            call = InstallCall(wanted, strict=verify == "strict", member=member)
             items = tensors if isinstance(tensors, CastItems) else _as_items(tensors)  # lazy stays lazy
             return log_report(self._install_locked(call, manifest, items, force, delta, cast, family))
         finally:

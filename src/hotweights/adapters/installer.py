@@ -161,7 +161,7 @@ class Installer(VLLMEngineAdapter):
             method=self.install_method,
             commit=self.commit,
             verify=timer.verify,
-            expires_s=_expiry(),
+            expires_s=_expiry(timer),
             **more,
         )
 
@@ -181,7 +181,7 @@ class Installer(VLLMEngineAdapter):
             method=self.install_method,
             keep_base=self._keeps_base_on_workers and shared is None,
             shared_base=shared.descriptor() if shared is not None else None,
-            expires_s=_expiry(),
+            expires_s=_expiry(timer),
         )
         try:
             return self._session(wire, options, delta.wire, timer)
@@ -219,7 +219,7 @@ class Installer(VLLMEngineAdapter):
         """Run one session: begin, every bucket through the transport, prepare, commit; abort on any failure.
         ``sent`` describes what crosses (None: a delta that changes nothing)."""
         streaming = options.commit == "streaming" and options.delta is None
-        member = two_phase.current()  # inside a fleet: stop between staged and written (see core.two_phase)
+        member = timer.member  # inside a fleet: stop between staged and written (see core.two_phase)
         size = member.bucket_bytes if member and self.bucket_size else self.bucket_size
         plan = plan_buckets(sent, size or sys.maxsize, whole_layers=streaming) if sent is not None else []
         update_id = sent.update_id if sent is not None else _delta_id(options)
@@ -236,7 +236,7 @@ class Installer(VLLMEngineAdapter):
                     found = [p for worker in self.wire.prepare(update_id) for p in worker]
                 if found:
                     raise refusal(found)
-                two_phase.commit_point()
+                two_phase.commit_point(member)
                 self._begin_writing(timer)
                 with timer("install"):
                     summaries = self.wire.commit(update_id)
@@ -262,7 +262,7 @@ class Installer(VLLMEngineAdapter):
                         self._begin_writing(timer)  # this bucket goes into the live model
                     self.wire.stage(sent.update_id, bucket.model_dump_json(), descriptor)
 
-                two_phase.share(self.transport, bucket, tensors, deliver)
+                two_phase.share(timer.member, self.transport, bucket, tensors, deliver)
 
     def _one_call(
         self,
@@ -341,11 +341,10 @@ class Installer(VLLMEngineAdapter):
         self.transport.close()
 
 
-def _expiry() -> float | None:
+def _expiry(call: InstallCall) -> float | None:
     """Seconds the workers keep a staged update without a commit: the fleet's staging expiry (None: until the
     next install opens a session)."""
-    member = two_phase.current()
-    return member.expires_s if member is not None else None
+    return call.member.expires_s if call.member is not None else None
 
 
 def _delta_id(options: SessionOptions) -> str:

@@ -77,7 +77,9 @@ class VLLMWeightsPathAdapter(VLLMEngineAdapter):
         try:
             with timer("pack"):
                 _write_safetensors(directory / CHECKPOINT_FILE, items)
-            two_phase.commit_point()  # inside a fleet: every replica's checkpoint written before any reloads
+            two_phase.commit_point(
+                timer.member
+            )  # inside a fleet: every replica's checkpoint written before any reloads
             self._begin_writing(timer)
             with timer("install"):
                 self.engine.call(

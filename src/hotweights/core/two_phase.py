@@ -1,12 +1,13 @@
 """Two-phase installs across several engines: where an adapter stops between *staged* and *written*, and the
 buckets several engines share.
 
-A :class:`~hotweights.fleet.Fleet` runs one ordinary install per replica, each in its own thread, inside a
-:class:`Member` context. Every adapter that can take part calls :func:`commit_point` right before its first write
-(everything staged and prepared, nothing written): there the install waits until the fleet decides, for every
-replica at once, to commit or to abort. Adapters whose transport can serve several engines with one copy hand
-each bucket to :func:`share` instead of sending it themselves: the bucket is packed once per group and delivered
-to every replica of the group. Outside a fleet, :func:`commit_point` returns at once and :func:`share` sends.
+A :class:`~hotweights.fleet.Fleet` runs one ordinary install per replica, each in its own thread, as a :class:`Member`
+(passed with the install: ``adapter.install(..., member=m)``). Every adapter that can take part calls
+:func:`commit_point` with it right before its first write (everything staged and prepared, nothing written): there the
+install waits until the fleet decides, for every replica at once, to commit or to abort. Adapters whose transport can
+serve several engines with one copy hand each bucket to :func:`share` instead of sending it themselves: the bucket is
+packed once per group and delivered to every replica of the group. Outside a fleet, :func:`commit_point` returns at once
+and :func:`share` sends.
 
 Nothing here knows vLLM: a member only needs threads, a transport and a ``deliver`` callback.
 """
@@ -17,7 +18,6 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
@@ -44,7 +44,7 @@ class WeightTransport(Protocol):
     ) -> None: ...
 
 
-__all__ = ["Coordinator", "FleetAbortedError", "Member", "commit_point", "current", "share"]
+__all__ = ["Coordinator", "FleetAbortedError", "Member", "commit_point", "share"]
 
 Decision = Literal["commit", "abort"]
 
@@ -260,40 +260,22 @@ class Member:
         return self.coordinator.group_of(self.index) is not None
 
 
-_MEMBER: ContextVar[Member | None] = ContextVar("hotweights_fleet_member", default=None)
-
-
-def current() -> Member | None:
-    """The fleet member the calling install runs as, or None (a plain install)."""
-    return _MEMBER.get()
-
-
-def enter(member: Member) -> Any:
-    """Run the calling thread's installs as ``member``; returns the token for :func:`leave`."""
-    return _MEMBER.set(member)
-
-
-def leave(token: Any) -> None:
-    _MEMBER.reset(token)
-
-
-def commit_point() -> None:
-    """Called by an adapter right before its first write: inside a fleet, wait until every replica staged and the
-    fleet decided (raises :class:`FleetAbortedError` on abort); outside one, return at once."""
-    member = _MEMBER.get()
+def commit_point(member: Member | None) -> None:
+    """Called by an adapter right before its first write: as a fleet's ``member``, wait until every replica staged
+    and the fleet decided (raises :class:`FleetAbortedError` on abort); outside a fleet (None), return at once."""
     if member is not None:
         member.coordinator.reached_commit_point(member.index)
 
 
 def share(
+    member: Member | None,
     transport: WeightTransport,
     bucket: Bucket,
     tensors: Mapping[str, torch.Tensor],
     deliver: Callable[[Descriptor], None],
 ) -> None:
-    """Send ``bucket`` through ``transport`` to one engine, or, inside a fleet whose replicas share a transport,
-    once for the whole group (see :meth:`Coordinator.share`)."""
-    member = _MEMBER.get()
+    """Send ``bucket`` through ``transport`` to one engine, or, as a ``member`` of a fleet whose replicas share a
+    transport, once for the whole group (see :meth:`Coordinator.share`)."""
     if member is None or not member.shares_buckets:
         transport.send(bucket, tensors, deliver)
         return

@@ -229,15 +229,13 @@ class _Run:
         items: Any,
         kwargs: dict[str, Any],
     ) -> None:
-        token = two_phase.enter(member)
         try:
             with engine.installing(pause, adapter.lock_timeout):  # one install at a time into each replica
-                self.outcomes[member.index] = adapter.install(manifest, items, **kwargs)
+                self.outcomes[member.index] = adapter.install(manifest, items, member=member, **kwargs)
         except BaseException as exc:
             self.outcomes[member.index] = exc
             self.coordinator.failed(member.index, exc)
         finally:
-            two_phase.leave(token)
             self.coordinator.done(member.index)
 
     def finish(self, release: bool = True) -> None:
