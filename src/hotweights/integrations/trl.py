@@ -144,7 +144,7 @@ class TRLWeightSync:
         _attach.detach(self)
         if self.generation.__dict__.get("sync_weights") == self.sync:
             del self.generation.sync_weights
-        del self.generation._hotweights_sync
+        _attach.detach(self.generation)
         remove = getattr(self.trainer, "remove_callback", None)
         if callable(remove):
             remove(self._callback)
@@ -198,7 +198,7 @@ def attach(trainer: Any, *, lora: bool | None = None, **install_options: Any) ->
             f"{type(trainer).__name__} has no vllm_generation: build it with use_vllm=True "
             "(GRPOTrainer, RLOOTrainer or a distillation trainer) before calling attach()"
         )
-    if getattr(gen, "_hotweights_sync", None) is not None:
+    if _attach.get(gen, "sync") is not None:
         raise HotWeightsError("this trainer is already attached to hotweights: call detach() on the first handle")
     if not callable(getattr(gen, "_iter_named_params", None)):
         raise EngineNotSupportedError(
@@ -233,7 +233,7 @@ def attach(trainer: Any, *, lora: bool | None = None, **install_options: Any) ->
     handle = TRLWeightSync(trainer, target, dtype, dict(install_options), lora=adapter_only)
     if adapter_only:
         _attach.patch(handle, gen.llm, "generate", functools.partial(_with_adapter, gen.llm))
-    gen._hotweights_sync = handle
+    _attach.put(gen, "sync", handle)
     gen.sync_weights = handle.sync  # an instance attribute: detach() deletes it and TRL's method is back
     add = getattr(trainer, "add_callback", None)
     if callable(add):  # TRL syncs before it generates, so the last step's weights would wait for the next rollout
