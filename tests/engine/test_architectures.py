@@ -125,6 +125,7 @@ def a_to_b_to_a(
 INPROCESS = [v for v in VARIANTS if v.arch not in TRANSFORMERS_BACKEND]
 
 
+@pytest.mark.own_engine
 @pytest.mark.parametrize("variant", INPROCESS, ids=lambda v: v.id)
 def test_inprocess(variant: Variant, checkpoint: Checkpoints) -> None:
     b = checkpoint.expected(variant, 2)
@@ -158,6 +159,7 @@ def multiprocess() -> Iterator[Callable[..., Any]]:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 
 
+@pytest.mark.own_engine
 @pytest.mark.parametrize("variant", matrix(ZERO_CONFIG), ids=_id)
 def test_zero_config(variant: Variant, checkpoint: Checkpoints, multiprocess: Callable[..., Any]) -> None:
     """A plain ``LLM(model=...)``: vLLM's own ``reload_weights(weights_path=...)``, mended by the plugin."""
@@ -168,6 +170,7 @@ def test_zero_config(variant: Variant, checkpoint: Checkpoints, multiprocess: Ca
     _record(variant, "zero-config", "exact")
 
 
+@pytest.mark.own_engine
 @pytest.mark.parametrize("variant", matrix(MENDED), ids=_id)
 def test_extension_every_method(
     variant: Variant, checkpoint: Callable[[Variant, int], TinyCheckpoint], multiprocess: Callable[..., Any]
