@@ -44,10 +44,10 @@ VLLM031_K := test_vllm_versions or test_contract or (test_inprocess_reload and f
 test-vllm031: $(STAMP031)
 	$(PY031) -m pytest -p no:cacheprovider -m "not slow and not matrix" $(VLLM031_TESTS) -k "$(VLLM031_K)"
 
-## the suite CI runs: fast core tests + real tiny vLLM engines (slow profiles excluded), on two workers (a module's
-## tests on one worker, in order: they share its engines; tests marked own_engine anywhere)
+## the suite CI runs: fast core tests + real tiny vLLM engines (slow profiles excluded), on two workers (each module's
+## tests on one worker, in order: they share the module's engines)
 test: $(STAMP)
-	$(PY) -m pytest -m "not slow and not matrix" -p no:cacheprovider -n 2 --dist loadgroup
+	$(PY) -m pytest -m "not slow and not matrix" -p no:cacheprovider -n 2 --dist loadscope
 
 ## the full conformance matrix: every architecture through every multiprocess path (~80 min on 2 cores); the cells
 ## it ran go to docs/architectures.json, from which docs/architectures.md's table is rendered; then the other

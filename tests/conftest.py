@@ -6,7 +6,6 @@ from __future__ import annotations
 import gc
 import os
 
-import pytest
 from hypothesis import HealthCheck, settings
 
 from hotweights.transports import shm
@@ -23,12 +22,3 @@ def our_shm() -> list[str]:
     gc.collect()  # an adapter dropped by a test takes its transport's files with it
     held = {p.name for p in shm._HELD}
     return sorted(p.name for p in shm.SHM_DIR.glob(f"hotweights-{os.getpid()}-*") if p.name not in held)
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Under ``-n`` (``make test``: two workers, ``--dist loadgroup``), a module's tests run on one worker, in order,
-    since they share the module's engines and checkpoints; a test marked ``own_engine`` (it starts and stops every
-    engine it uses) may run on either worker, beside any other."""
-    for item in items:
-        own = item.get_closest_marker("own_engine") is not None
-        item.add_marker(pytest.mark.xdist_group(item.nodeid if own else item.module.__name__))

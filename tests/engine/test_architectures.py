@@ -125,9 +125,7 @@ def a_to_b_to_a(
 INPROCESS = [v for v in VARIANTS if v.arch not in TRANSFORMERS_BACKEND]
 
 
-@pytest.mark.own_engine
-@pytest.mark.parametrize("variant", INPROCESS, ids=lambda v: v.id)
-def test_inprocess(variant: Variant, checkpoint: Checkpoints) -> None:
+def _inprocess(variant: Variant, checkpoint: Checkpoints) -> None:
     b = checkpoint.expected(variant, 2)
     a, llm = checkpoint.served(variant, 1, lambda path: start_engine(path, variant.vllm_dtype, multiprocess=False))
     try:
@@ -140,6 +138,19 @@ def test_inprocess(variant: Variant, checkpoint: Checkpoints) -> None:
         _record(variant, "in-process", "exact")
     finally:
         stop_engine(llm)
+
+
+# Two classes, so that make test's two workers (one test scope each: a module, or a class) share the families.
+class TestInProcessDense:
+    @pytest.mark.parametrize("variant", [v for v in INPROCESS if v.arch not in MOE_ARCHS], ids=lambda v: v.id)
+    def test_inprocess(self, variant: Variant, checkpoint: Checkpoints) -> None:
+        _inprocess(variant, checkpoint)
+
+
+class TestInProcessMoE:
+    @pytest.mark.parametrize("variant", [v for v in INPROCESS if v.arch in MOE_ARCHS], ids=lambda v: v.id)
+    def test_inprocess(self, variant: Variant, checkpoint: Checkpoints) -> None:
+        _inprocess(variant, checkpoint)
 
 
 # ---------------------------------------------------------------------------------------------- multiprocess
@@ -159,7 +170,6 @@ def multiprocess() -> Iterator[Callable[..., Any]]:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 
 
-@pytest.mark.own_engine
 @pytest.mark.parametrize("variant", matrix(ZERO_CONFIG), ids=_id)
 def test_zero_config(variant: Variant, checkpoint: Checkpoints, multiprocess: Callable[..., Any]) -> None:
     """A plain ``LLM(model=...)``: vLLM's own ``reload_weights(weights_path=...)``, mended by the plugin."""
@@ -170,7 +180,6 @@ def test_zero_config(variant: Variant, checkpoint: Checkpoints, multiprocess: Ca
     _record(variant, "zero-config", "exact")
 
 
-@pytest.mark.own_engine
 @pytest.mark.parametrize("variant", matrix(MENDED), ids=_id)
 def test_extension_every_method(
     variant: Variant, checkpoint: Callable[[Variant, int], TinyCheckpoint], multiprocess: Callable[..., Any]
