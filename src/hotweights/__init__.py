@@ -1,10 +1,10 @@
 """hotweights: install fresh weights into a running vLLM engine — validated, versioned, fast.
 
 The top level holds the verbs (``install``, ``install_async``, ``install_lora``, ``connect``, ``adapter_for``,
-``detach``, ``weight_version_of``, ``weight_versions_of``), ``Fleet`` (one install into many replicas:
-:mod:`hotweights.fleet`), the types a caller handles (manifests, specs, layouts, reports, ``WORKER_EXTENSION``) and
-every error. The rest lives in its submodule: adapter classes in :mod:`hotweights.adapters`, engine handles in
-:mod:`hotweights.handles`, transports in :mod:`hotweights.transports`, ``WeightVersions`` in
+``detach``, ``weight_version_of``, ``weight_versions_of``, ``lora_version_of``), ``Fleet`` (one install into many
+replicas: :mod:`hotweights.fleet`), the types a caller handles (manifests, specs, layouts, reports,
+``WORKER_EXTENSION``) and every error. The rest lives in its submodule: adapter classes in :mod:`hotweights.adapters`,
+engine handles in :mod:`hotweights.handles`, transports in :mod:`hotweights.transports`, ``WeightVersions`` in
 :mod:`hotweights.versions`. The former top-level spellings of those (``hotweights.VLLMMultiprocessAdapter``, ...)
 still resolve, to the same objects.
 
@@ -43,7 +43,7 @@ from hotweights.core.manifest import ExpectedWeights, TensorSpec, WeightUpdateMa
 from hotweights.core.report import InstallReport
 from hotweights.fleet import Fleet
 from hotweights.handles.remote import connect
-from hotweights.versions import weight_version_of, weight_versions_of
+from hotweights.versions import lora_version_of, weight_version_of, weight_versions_of
 from hotweights.vllm.compat import WORKER_EXTENSION
 
 __version__ = "0.1.0"
@@ -81,6 +81,7 @@ __all__ = [
     "install_lora",
     "install_lora_async",
     "lora_request",
+    "lora_version_of",
     "weight_version_of",
     "weight_versions_of",
 ]

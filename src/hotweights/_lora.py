@@ -12,6 +12,7 @@ them by name or id alone). Generation asks for it with :func:`lora_request`.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import os
 import shutil
@@ -36,14 +37,16 @@ from hotweights.core.lora import adapter_config, lora_items, lora_mismatches
 from hotweights.core.manifest import TensorsLike
 from hotweights.core.report import InstallReport, PhaseTimer
 from hotweights.handles import EngineHandle, PauseMode, as_engine
-from hotweights.telemetry import log_report
+from hotweights.telemetry import best_effort, log_report
 from hotweights.transports.shm import SHM_DIR
 from hotweights.vllm import compat
 
 __all__ = ["install_lora", "install_lora_async", "lora_request"]
 
-#: The handle's shared state: name -> :class:`_Slot`.
+#: The handle's shared state: name -> :class:`_Slot` of the current version; of the previous one; the next id.
 _SLOTS = "_hotweights_lora_slots"
+_PREVIOUS = "_hotweights_lora_previous"
+_IDS = "_hotweights_lora_ids"
 
 
 @dataclass(frozen=True)
@@ -53,8 +56,8 @@ class _Slot:
     path: str
 
 
-def _slots(handle: EngineHandle) -> dict[str, _Slot]:
-    slots: dict[str, _Slot] = handle.shared(_SLOTS, dict)
+def _slots(handle: EngineHandle, which: str = _SLOTS) -> dict[str, _Slot]:
+    slots: dict[str, _Slot] = handle.shared(which, dict)
     return slots
 
 
@@ -169,8 +172,9 @@ def _install_lora(
         slot = slots.get(name)
         if slot is not None and weight_version <= slot.version and not force:
             raise StaleWeightVersionError(weight_version, slot.version)
-        lora_id = slot.lora_id if slot is not None else 1 + max((s.lora_id for s in slots.values()), default=0)
-        directory = Path(tempfile.mkdtemp(prefix=f"hotweights-{os.getpid()}-lora-", dir=SHM_DIR))
+        lora_id = next(handle.shared(_IDS, lambda: itertools.count(1)))  # every version an id of its own
+        prefix = f"hotweights-{os.getpid()}-lora-v{weight_version}-"  # read back by hotweights.lora_version_of
+        directory = Path(tempfile.mkdtemp(prefix=prefix, dir=SHM_DIR))
         try:
             with timer("pack"):
                 _write_safetensors(directory / "adapter_model.safetensors", list(items.items()))
@@ -181,6 +185,7 @@ def _install_lora(
                 start = time.perf_counter()
                 with timer("install"):
                     _load(handle, name, lora_id, directory, slot)
+                    retired = _retire(handle, name, slot)
                 with timer("reset_prefix_cache"):  # no block cached with the old version may serve the new one
                     reset = handle.reset_prefix_cache()
             stall = time.perf_counter() - start
@@ -188,10 +193,11 @@ def _install_lora(
             shutil.rmtree(directory, ignore_errors=True)
             raise
         if not slots:
-            handle.on_shutdown(lambda: _remove(slots))
+            previous = _slots(handle, _PREVIOUS)
+            handle.on_shutdown(lambda: _remove([*slots.values(), *previous.values()]))
         slots[name] = _Slot(lora_id, weight_version, str(directory))
-    if slot is not None:
-        shutil.rmtree(slot.path, ignore_errors=True)  # vLLM holds the new version in memory and reads this one no more
+    if retired is not None:
+        shutil.rmtree(retired.path, ignore_errors=True)  # removed from the engine: nothing reads it any more
     return log_report(
         InstallReport(
             update_id=uuid.uuid4().hex,
@@ -221,6 +227,19 @@ def _load(handle: EngineHandle, name: str, lora_id: int, directory: Path, slot: 
         ) from exc
 
 
-def _remove(slots: dict[str, _Slot]) -> None:
-    for slot in slots.values():
+def _retire(handle: EngineHandle, name: str, slot: _Slot | None) -> _Slot | None:
+    """``slot`` (the version just replaced) becomes ``name``'s previous version, still loadable; the one before it
+    is removed from the engine (best effort: vLLM may have evicted it already) and returned, its files to delete."""
+    previous = _slots(handle, _PREVIOUS)
+    retired = previous.pop(name, None)
+    if slot is not None:
+        previous[name] = slot
+    if retired is not None:
+        with best_effort(f"remove LoRA adapter {name!r} v{retired.version} from the engine"):
+            handle.remove_lora(retired.lora_id)
+    return retired
+
+
+def _remove(slots: list[_Slot]) -> None:
+    for slot in slots:
         shutil.rmtree(slot.path, ignore_errors=True)

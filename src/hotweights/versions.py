@@ -24,11 +24,20 @@ Example:
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import PurePath
 from typing import Any
 
-__all__ = ["INITIAL_LABEL", "VersionSpan", "WeightVersions", "weight_version_of", "weight_versions_of"]
+__all__ = [
+    "INITIAL_LABEL",
+    "VersionSpan",
+    "WeightVersions",
+    "lora_version_of",
+    "weight_version_of",
+    "weight_versions_of",
+]
 
 INITIAL_LABEL = "default"
 """The label vLLM 0.32's engine core gives its weights until a version is recorded (``EngineCore._weight_version``);
@@ -151,6 +160,32 @@ def weight_version_of(output: Any) -> int | None:
             "it was in flight. Use hotweights.weight_versions_of(output) to read every span."
         )
     return versions.first
+
+
+#: The directory :func:`hotweights.install_lora` saves each version of an adapter in, which vLLM loads it from.
+_LORA_DIR = re.compile(r"^hotweights-\d+-lora-v(\d+)-")
+
+
+def lora_version_of(output: Any) -> int | None:
+    """The version of the LoRA adapter that produced ``output`` (a ``RequestOutput``): the ``weight_version`` of the
+    :func:`hotweights.install_lora` that loaded it; None for an output generated without an adapter, or with one
+    hotweights did not install.
+
+    Sound for a request made with any version's ``LoRARequest``, old or new: every version is loaded under an id of
+    its own from a directory of its own, never in place, so the request names the weights that served it. The
+    base model's version is :func:`weight_version_of`'s.
+
+    Example:
+        >>> from types import SimpleNamespace as NS
+        >>> lora_version_of(NS(lora_request=NS(lora_path="/dev/shm/hotweights-41-lora-v7-k2x9q")))
+        7
+        >>> lora_version_of(NS(lora_request=None)) is None
+        True
+    """
+    request = getattr(output, "lora_request", None)
+    path = getattr(request, "lora_path", None) or getattr(request, "path", None)
+    found = _LORA_DIR.match(PurePath(str(path)).name) if path else None
+    return int(found.group(1)) if found else None
 
 
 def _version(label: object) -> int | None:

@@ -43,12 +43,21 @@ def adapter_tensors(model: Any) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in get_peft_model_state_dict(model).items()}
 
 
-def greedy(llm: Any, lora: Any = None) -> list[list[int]]:
+def generate(llm: Any, lora: Any = None) -> list[Any]:
     from vllm import SamplingParams
 
     sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, detokenize=False)
-    outs = llm.generate([{"prompt_token_ids": list(p)} for p in PROMPTS], sp, lora_request=lora, use_tqdm=False)
-    return [list(o.outputs[0].token_ids) for o in outs]
+    return list(llm.generate([{"prompt_token_ids": list(p)} for p in PROMPTS], sp, lora_request=lora, use_tqdm=False))
+
+
+def greedy(llm: Any, lora: Any = None) -> list[list[int]]:
+    return [list(o.outputs[0].token_ids) for o in generate(llm, lora)]
+
+
+def served_by(llm: Any, lora: Any) -> tuple[list[list[int]], set[int | None]]:
+    """Greedy tokens with ``lora``, and the adapter versions its outputs report."""
+    outs = generate(llm, lora)
+    return [list(o.outputs[0].token_ids) for o in outs], {hotweights.lora_version_of(o) for o in outs}
 
 
 class Lora:
@@ -93,17 +102,25 @@ def test_the_adapter_alone_v1_then_v2_equals_a_fresh_engine_and_hf_peft(lora: Lo
     assert (report.adapter, report.weight_version, report.previous_version) == ("lora", 1, None)
     assert report.num_tensors == 2 * 2 * len(TARGETS) and report.prefix_cache_reset
     assert report.stall_s is not None and report.stall_s >= report.phases["install"]
-    assert greedy(llm, hotweights.lora_request(llm, "policy")) == lora.fresh[0]
+    v1 = hotweights.lora_request(llm, "policy")
+    assert served_by(llm, v1) == (lora.fresh[0], {1})  # each output says which adapter version produced it
+    assert {hotweights.lora_version_of(o) for o in generate(llm)} == {None}  # the base model alone
     # live PEFT names (".default") are taken too; the same prompts again: the prefix cache must not serve v1's blocks
     live = {k: v for k, v in lora.models[1].state_dict().items() if "lora_" in k}
     report = hotweights.install_lora(llm, live, name="policy", weight_version=2, config=lora.config)
     assert report.previous_version == 1
-    assert greedy(llm, hotweights.lora_request(llm, "policy")) == lora.fresh[1]
+    assert served_by(llm, hotweights.lora_request(llm, "policy")) == (lora.fresh[1], {2})
+    # v1's request object, kept from before: it is served by v1's adapter, and says so (an adapter reloaded in place
+    # under v1's id would serve v2's weights under v1's label)
+    assert served_by(llm, v1) == (lora.fresh[0], {1})
     assert greedy(llm) == lora.fresh_base  # the base weights never moved
     with pytest.raises(StaleWeightVersionError):
         hotweights.install_lora(llm, adapter_tensors(lora.models[0]), name="policy", weight_version=2)
     assert greedy(llm, hotweights.lora_request(llm, "policy")) == lora.fresh[1]
-    assert len([p for p in our_shm() if "-lora-" in p]) == 1  # the current version's files, for vLLM to reload
+    assert len([p for p in our_shm() if "-lora-" in p]) == 2  # the current and the previous version, loadable
+    hotweights.install_lora(llm, adapter_tensors(lora.models[0]), name="policy", weight_version=3, config=lora.config)
+    assert served_by(llm, hotweights.lora_request(llm, "policy")) == (lora.fresh[0], {3})
+    assert len([p for p in our_shm() if "-lora-" in p]) == 2  # v1's went: removed from the engine, files deleted
 
 
 def test_a_bad_adapter_is_refused_naming_each_problem_and_the_old_one_keeps_serving(lora: Lora, inprocess: Any) -> None:

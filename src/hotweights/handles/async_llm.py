@@ -140,6 +140,9 @@ class AsyncLLMHandle(EngineHandle):
         request = compat.lora_request(name, lora_id, path, replace=True)
         self.run(self.engine.add_lora(request), SHORT_TIMEOUT, "add_lora")
 
+    def remove_lora(self, lora_id: int) -> None:
+        self.run(self.engine.remove_lora(lora_id), SHORT_TIMEOUT, "remove_lora")
+
     def describe(self) -> str:
         ranks = len(compat.dp_engines(self.engine))
         dp = f", {ranks} data-parallel ranks" if ranks else ""

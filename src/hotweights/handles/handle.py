@@ -282,6 +282,12 @@ class EngineHandle(ABC):
 
         raise EngineNotSupportedError(f"{self.describe()}: hotweights cannot install LoRA adapters here")
 
+    def remove_lora(self, lora_id: int) -> None:
+        """Unload the LoRA adapter of id ``lora_id`` (one hotweights loaded)."""
+        from hotweights.core.errors import EngineNotSupportedError
+
+        raise EngineNotSupportedError(f"{self.describe()}: hotweights cannot remove LoRA adapters here")
+
     def engine_dtype(self) -> Any:
         """The dtype the engine keeps its weights in (``torch.float32`` where it cannot be read)."""
         import torch

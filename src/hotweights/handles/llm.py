@@ -100,6 +100,9 @@ class LLMHandle(EngineHandle):
     def add_lora(self, name: str, lora_id: int, path: str) -> None:
         self.llm.llm_engine.add_lora(compat.lora_request(name, lora_id, path, replace=True))
 
+    def remove_lora(self, lora_id: int) -> None:
+        self.llm.llm_engine.remove_lora(lora_id)
+
     def vllm_fixes(self) -> tuple[str, ...] | None:
         if self.inprocess:  # the workers are this process
             return compat.apply_vllm_fixes()
