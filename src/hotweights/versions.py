@@ -25,7 +25,7 @@ Example:
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import PurePath
 from typing import Any
@@ -94,7 +94,9 @@ def weight_versions_of(output: Any) -> WeightVersions:
 
     Args:
         output: a finished ``RequestOutput`` (every completion's spans, ``n > 1`` included) or one
-            ``CompletionOutput``.
+            ``CompletionOutput``; or a server's answer as JSON (a dict): the response of ``/inference/v1/generate``
+            (vLLM's token-in/token-out route, on a server started with ``--enable-scale-out``) or one of its
+            ``choices``.
 
     Raises:
         ValueError: the output is not finished (vLLM attaches the spans to the final output only: with
@@ -108,12 +110,16 @@ def weight_versions_of(output: Any) -> WeightVersions:
         >>> v.mixed, v.first, v.last, v.versions
         (True, 6, 7, (6, 7))
     """
-    completions: Sequence[Any] = output.outputs if hasattr(output, "outputs") else [output]
+    completions: Sequence[Any] | None = _field(output, "outputs", None)
+    if completions is None:
+        completions = _field(output, "choices", None)
+    if completions is None:
+        completions = [output]
     spans: list[VersionSpan] = []
     for completion in completions:
-        labels = getattr(completion, "weight_versions", None)
+        labels = _field(completion, "weight_versions", None)
         if labels is None:
-            if getattr(completion, "finish_reason", None) is None:
+            if _field(completion, "finish_reason", None) is None:
                 raise ValueError(
                     "this output is not finished: vLLM attaches weight versions to a request's final output only "
                     "(with AsyncLLM.generate, pass the last output it yields)"
@@ -122,8 +128,11 @@ def weight_versions_of(output: Any) -> WeightVersions:
                 "this output carries no weight versions: the engine reported no label for its tokens (a vLLM "
                 "older than 0.32, or an output not produced by generation)"
             )
-        index = int(getattr(completion, "index", 0))
-        spans += [VersionSpan(_version(s.version), int(s.start), int(s.end), index) for s in labels]
+        index = int(_field(completion, "index", 0))
+        spans += [
+            VersionSpan(_version(_field(s, "version")), int(_field(s, "start")), int(_field(s, "end")), index)
+            for s in labels
+        ]
     return WeightVersions(tuple(spans))
 
 
@@ -186,6 +195,13 @@ def lora_version_of(output: Any) -> int | None:
     path = getattr(request, "lora_path", None) or getattr(request, "path", None)
     found = _LORA_DIR.match(PurePath(str(path)).name) if path else None
     return int(found.group(1)) if found else None
+
+
+def _field(obj: Any, name: str, *default: Any) -> Any:
+    """``obj.name``, or ``obj[name]`` for a server's JSON answer (a dict)."""
+    if isinstance(obj, Mapping):
+        return obj.get(name, *default) if default else obj[name]
+    return getattr(obj, name, *default)
 
 
 def _version(label: object) -> int | None:

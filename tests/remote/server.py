@@ -8,9 +8,10 @@ import signal
 import socket
 import subprocess
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import httpx
 
@@ -60,6 +61,16 @@ class Server:
             return httpx.Client(base_url="http://localhost", transport=uds, trust_env=False, timeout=timeout)
         return httpx.Client(base_url=self.url, trust_env=False, timeout=timeout)
 
+    def generate(self, prompt: list[int], max_tokens: int = 8) -> dict[str, Any]:
+        """vLLM's token-in/token-out route (``--enable-scale-out``): its JSON answer, weight versions included."""
+        body = {"token_ids": prompt, "sampling_params": {"temperature": 0.0, "max_tokens": max_tokens,
+                                                         "ignore_eos": True}}  # fmt: skip
+        with self.client() as client:
+            answer = client.post("/inference/v1/generate", json=body)
+            answer.raise_for_status()
+            result: dict[str, Any] = answer.json()
+            return result
+
     def completions(self, prompts: list[list[int]], max_tokens: int = 8) -> list[list[int]]:
         """Greedy token ids for each prompt, through ``/v1/completions``."""
         out = []
@@ -76,11 +87,14 @@ class Server:
 S = TypeVar("S", bound=Server)
 
 
-def start_server(model: Path, log: Path, setup: str = "extension", uds: Path | None = None) -> Server:
+def start_server(
+    model: Path, log: Path, setup: str = "extension", uds: Path | None = None, extra: Sequence[str] = ()
+) -> Server:
     """Start a server on an ephemeral loopback port (or the Unix socket ``uds``) and wait until it serves
-    ``/v1/models``."""
+    ``/v1/models``; ``extra``: more of vLLM's server flags."""
     port = free_port()
-    cmd = server_command(str(model), port=port, uds=str(uds) if uds else None, setup=setup, extra=CPU_FLAGS)
+    flags = [*CPU_FLAGS, *extra]
+    cmd = server_command(str(model), port=port, uds=str(uds) if uds else None, setup=setup, extra=flags)
     env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
     env.pop("VLLM_ALLOW_INSECURE_SERIALIZATION", None)
     with log.open("wb") as out:

@@ -42,7 +42,9 @@ def next_version(engine: RemoteHandle) -> int:
 
 @pytest.fixture(scope="module")
 def server(models: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    srv = start_server(models["path"], tmp_path_factory.mktemp("remote-log") / "server.log")
+    # --enable-scale-out: vLLM's token-in/token-out route, whose answers carry the weight versions of their tokens
+    log = tmp_path_factory.mktemp("remote-log") / "server.log"
+    srv = start_server(models["path"], log, extra=["--enable-scale-out"])
     try:
         yield srv
     finally:
@@ -67,6 +69,9 @@ def test_connect_reads_the_server(engine: RemoteHandle, server: Server, models: 
     assert expected is not None and set(expected.tensors) == set(models["A"].state_dict())
     assert hotweights.handles.as_engine(engine) is engine
     assert server.completions(PROMPTS) == models["hf"]["A"]
+    answer = server.generate(list(PROMPTS[0]))  # before any install: the engine's initial weights
+    assert answer["choices"][0]["token_ids"] == models["hf"]["A"][0]
+    assert hotweights.weight_version_of(answer) is None
 
 
 def test_install_a_b_a_matches_hf(engine: RemoteHandle, server: Server, models: dict[str, Any]) -> None:
@@ -76,6 +81,20 @@ def test_install_a_b_a_matches_hf(engine: RemoteHandle, server: Server, models: 
         assert report.prefix_cache_reset
         assert report.engine_weight_version == str(version) == engine.get_weight_version()
         assert server.completions(PROMPTS) == models["hf"][name], f"v{version} ({name})"
+
+
+def test_a_servers_answers_name_the_version_that_produced_them(
+    engine: RemoteHandle, server: Server, models: dict[str, Any]
+) -> None:
+    """Through ``connect()``: the JSON answer of vLLM's token-in/token-out route carries its tokens' versions, read
+    by the same ``weight_version_of`` / ``weight_versions_of`` as an ``LLM``'s outputs."""
+    version = next_version(engine)
+    hotweights.install(engine, models["B"].state_dict(), weight_version=version)
+    answer = server.generate(list(PROMPTS[0]))
+    assert answer["choices"][0]["token_ids"] == models["hf"]["B"][0]
+    assert hotweights.weight_version_of(answer) == version
+    spans = hotweights.weight_versions_of(answer["choices"][0]).spans
+    assert [(s.version, s.start, s.end) for s in spans] == [(version, 0, 8)]
 
 
 def test_bad_update_is_refused_with_nothing_written(

@@ -93,3 +93,21 @@ def test_exported() -> None:
     assert hotweights.weight_versions_of is weight_versions_of
     assert "WeightVersions" in versions.__all__  # its home; not in hotweights.__all__
     assert "WeightVersions" not in hotweights.__all__
+
+
+def test_a_servers_json_answer_is_read_like_an_output() -> None:
+    """vLLM's token-in/token-out route (``/inference/v1/generate``) answers JSON: the answer, or one of its choices."""
+    answer = {
+        "choices": [
+            {"index": 0, "finish_reason": "length", "weight_versions": [{"version": "4", "start": 0, "end": 3}]},
+            {"index": 1, "finish_reason": "length", "weight_versions": [{"version": "default", "start": 0, "end": 2},
+                                                                         {"version": "5", "start": 2, "end": 6}]},
+        ]
+    }  # fmt: skip
+    assert weight_version_of(answer["choices"][0]) == 4
+    spans = weight_versions_of(answer).spans
+    assert [(s.index, s.version, s.start, s.end) for s in spans] == [(0, 4, 0, 3), (1, None, 0, 2), (1, 5, 2, 6)]
+    with pytest.raises(ValueError, match="more than one weight version"):
+        weight_version_of(answer)
+    with pytest.raises(ValueError, match="not finished"):
+        weight_versions_of({"index": 0, "finish_reason": None})
