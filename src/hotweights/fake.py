@@ -23,7 +23,6 @@ Example:
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any, ClassVar, Literal
@@ -156,7 +155,6 @@ class FakeWire:
         self.engine = engine
         self.timeout = timeout
         self._staging = StagingArea(self)
-        self._lock = threading.Lock()
 
     def _enter(self, verb: str) -> None:
         self.engine.calls.append(verb)

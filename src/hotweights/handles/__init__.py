@@ -39,10 +39,9 @@ def as_engine(obj: Any) -> EngineHandle:
             f"{type(obj).__name__} is not an engine hotweights can install into: pass a vllm.LLM, a vLLM AsyncLLM, "
             "or the handle returned by hotweights.connect(url) for a `vllm serve` process"
         )
-    make = _handle_class(kind)
     # Kept on the engine object itself (a registry keyed by engine would keep every engine alive); two first
-    # installs from two threads build one handle.
-    handle: EngineHandle = attach.value(obj, "handle", lambda: make(obj))
+    # installs from two threads build one handle. The class is looked up only when the handle is made.
+    handle: EngineHandle = attach.value(obj, "handle", lambda: _handle_class(kind)(obj))
     return handle
 
 
