@@ -18,8 +18,11 @@ once per model, same settings), after first asserting that A and B give differen
 - ``sleep-wake``: that engine asleep (level 1) refuses the install typed, then installs after ``wake_up``;
 - ``extension-shm``: a multiprocess ``LLM`` with the worker extension, buckets through shm;
 - ``cuda-ipc``: the same engine, CUDA tensors through the ``cuda_ipc`` transport (same GPU);
-- ``nccl``: the same engine, the ``collective`` transport (NCCL on GPU);
-- ``transfer-api``: an engine with ``weight_transfer_config={"backend": "hotweights"}``, ``collective`` transport;
+- ``nccl``: the same engine, the ``collective`` transport with ``backend="nccl"``;
+- ``vllm-nccl``: the same engine, the ``vllm_nccl`` transport (vLLM's own packed NCCL broadcast and receive loop,
+  into the session's staging);
+- ``transfer-api``: an engine with ``weight_transfer_config={"backend": "hotweights"}``, the ``collective``
+  transport (NCCL), then ``vllm_nccl``;
 - ``kv-loan``: an in-process engine sized by ``gpu_memory_utilization=0.9`` (no fixed KV size: vLLM 0.34's
   extensible KV cache takes the rest of the GPU), installed into three times;
 - ``moe``: a tiny Qwen3-MoE in-process, experts on the GPU.
@@ -53,6 +56,7 @@ CHECKS = (
     "extension-shm",
     "cuda-ipc",
     "nccl",
+    "vllm-nccl",
     "transfer-api",
     "kv-loan",
     "moe",
@@ -60,6 +64,15 @@ CHECKS = (
 #: Every engine of the check, the fresh references included: the same settings give the same kernels (on CPU,
 #: vLLM's compiled model and its eager one differ in bf16 from the first token on).
 GPU = {"dtype": "bfloat16", "enforce_eager": False}
+
+
+def gpu_transport(name: str) -> Any:
+    """``name`` with NCCL on the current GPU where it has a backend (a bare ``"collective"`` is gloo on the CPU)."""
+    from hotweights.transports import make_transport
+
+    if name in ("collective", "vllm_nccl"):
+        return make_transport(name, backend="nccl", device=f"cuda:{torch.cuda.current_device()}")
+    return make_transport(name)
 
 
 class Pair:
@@ -177,16 +190,20 @@ def main() -> int:
                 check("sleep-wake", sleep_wake)
             finally:
                 stop_engine(llm)
-        if {"extension-shm", "cuda-ipc", "nccl"} & set(only):
+        if {"extension-shm", "cuda-ipc", "nccl", "vllm-nccl"} & set(only):
             llm = start_engine(
                 qwen.paths[0], multiprocess=True, worker_extension_cls=hotweights.WORKER_EXTENSION, **GPU
             )
             try:
                 check("extension-shm", lambda: installed(llm, qwen, qwen.b(), 1))
-                for name, transport, which in (("cuda-ipc", "cuda_ipc", 0), ("nccl", "collective", 1)):
+                for name, transport, which in (
+                    ("cuda-ipc", "cuda_ipc", 0),
+                    ("nccl", "collective", 1),
+                    ("vllm-nccl", "vllm_nccl", 0),
+                ):
 
                     def through(transport: str = transport, which: int = which) -> str:
-                        with VLLMMultiprocessAdapter(llm, transport=transport) as adapter:
+                        with VLLMMultiprocessAdapter(llm, transport=gpu_transport(transport)) as adapter:
                             tensors = qwen.a(device) if which == 0 else qwen.b(device)
                             return installed(llm, qwen, tensors, which, adapter=adapter)
 
@@ -200,8 +217,10 @@ def main() -> int:
             try:
 
                 def transfer_api() -> str:
-                    with VLLMWeightTransferAdapter(llm, transport="collective") as api:
-                        return installed(llm, qwen, qwen.b(device), 1, adapter=api)
+                    with VLLMWeightTransferAdapter(llm, transport=gpu_transport("collective")) as api:
+                        done = installed(llm, qwen, qwen.b(device), 1, adapter=api)
+                    with VLLMWeightTransferAdapter(llm, transport=gpu_transport("vllm_nccl")) as api:
+                        return done + "; vllm_nccl: " + installed(llm, qwen, qwen.a(device), 0, adapter=api)
 
                 check("transfer-api", transfer_api)
             finally:

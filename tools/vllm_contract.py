@@ -136,6 +136,9 @@ _LAYERWISE = "vllm.model_executor.model_loader.reload.layerwise"
 _RELOAD_TYPES = "vllm.model_executor.model_loader.reload.types"
 _WT = "vllm.distributed.weight_transfer.base"
 _WT_FACTORY = "vllm.distributed.weight_transfer.factory"
+_NCCL_COMMON = "vllm.distributed.weight_transfer.nccl_common"
+_NCCL_ENGINE = "vllm.distributed.weight_transfer.nccl_engine"
+_PACKED = "vllm.distributed.weight_transfer.packed_tensor"
 _ROUTES = "vllm.entrypoints"
 #: ``vllm.LLM`` methods that run the engine (compat.GENERATION_METHODS): gated when present.
 _GENERATION = ("generate", "chat", "beam_search", "encode", "embed", "classify", "score", "reward")
@@ -665,6 +668,63 @@ CONTRACT: tuple[Entry, ...] = (
         "adapters.wires.TransferAPIWire (leave_group)",
         "releases a trainer's collective group (0.31 has none: compat.worker_lacks answers it)",
         vllm=">=0.32",
+    ),
+    # --- vllm/nccl.py: vLLM's own NCCL weight transfer under the session (transport "vllm_nccl")
+    _e(
+        _NCCL_COMMON,
+        "trainer_init",
+        "function",
+        "vllm.nccl.Transport._rendezvous",
+        "trainer's end",
+        args=("init_info",),
+    ),
+    _e(
+        _NCCL_COMMON,
+        "stateless_init_process_group",
+        "function",
+        "compat.nccl_transfer_as",
+        "where the communicator is made (gloo on CPU)",
+        args=("master_address", "master_port", "rank", "world_size", "device"),
+    ),
+    _e(
+        _PACKED,
+        "_get_streams",
+        "function",
+        "compat.nccl_transfer_as",
+        "CUDA streams (none on CPU)",
+        args=("device_idx", "num_buffers"),
+    ),
+    _e(
+        _PACKED,
+        "packed_nccl_broadcast_producer",
+        "function",
+        "vllm.nccl.Transport._broadcast",
+        "the trainer's packed broadcast",
+        args=("iterator", "group", "src", "post_iter_func", "buffer_size_bytes", "num_buffers"),
+    ),
+    *(
+        _e(_NCCL_ENGINE, f"NCCLWeightTransferEngine.{m}", "method", "vllm.nccl", "the workers' receive", args=a)
+        for m, a in (
+            ("__init__", ("config", "vllm_config", "device", "model")),
+            ("init_transfer_engine", ("init_info",)),
+            ("parse_update_info", ("update_dict",)),
+            ("receive_weights", ("update_info",)),
+            ("set_weight_update_target", ("model", "model_config")),
+            ("reset_weight_update_target", ()),
+            ("shutdown", ()),
+        )
+    ),
+    *(
+        _e(_NCCL_COMMON, f"NCCLWeightTransferInitInfo.{a}", "attribute", "vllm.nccl.join", "the worker's init info")
+        for a in (
+            "master_address",
+            "master_port",
+            "rank_offset",
+            "world_size",
+            "packed",
+            "packed_buffer_size_bytes",
+            "packed_num_buffers",
+        )
     ),
     _e("vllm.plugins", "load_general_plugins", "function", "vllm_plugin.register", "runs the entry point everywhere"),
     _e("vllm.plugins", "vllm.general_plugins", "literal", "pyproject entry point", "the plugin group hotweights joins"),

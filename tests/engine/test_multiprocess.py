@@ -100,6 +100,31 @@ def test_a_to_b_to_a_with_split_buckets(engine: Engine, transport: str) -> None:
     assert our_shm() == []
 
 
+@pytest.mark.filterwarnings("ignore:Tensor .* exceeds buffer_size_bytes")
+def test_vllm_nccl_engine_receives_into_the_session(engine: Engine) -> None:
+    """vLLM's own NCCL weight transfer (its packed broadcast and ``NCCLWeightTransferEngine.receive_weights``, over
+    gloo on this CPU) delivers each bucket into the session's staging: A -> B -> A equal to fresh engines, every
+    bucket received by vLLM's engine class, and a bucket split across vLLM's packed buffers (geometry from the
+    trainer) arrives whole."""
+    transport = make_transport("vllm_nccl", backend="gloo", buffer_bytes=16 << 10)
+    manifest = WeightUpdateManifest.from_state_dict(engine.b.state_dict(), weight_version=0)
+    buckets = len(plan_buckets(manifest, SMALL_BUCKET))
+    try:
+        for ckpt in (engine.b, engine.a, engine.b):
+            report = engine.install(ckpt, transport)
+            assert report.adapter == "multiprocess-vllm_nccl"
+            assert greedy_vllm(engine.llm) == ckpt.fresh
+        (status,) = engine.llm.collective_rpc("hotweights_engine", args=("status",))
+        # each install's adapter connects anew: the count is the last install's
+        assert status["vllm_nccl"] == {"engine": "NCCLWeightTransferEngine", "backend": "gloo", "buckets": buckets}
+    finally:
+        transport.close()
+    (status,) = engine.llm.collective_rpc("hotweights_engine", args=("status",))
+    assert status["vllm_nccl"] == {}
+    engine.install(engine.a)
+    assert greedy_vllm(engine.llm) == engine.a.fresh
+
+
 @pytest.fixture(scope="module")
 def half(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, torch.Tensor], list[list[int]]]:
     """B in bf16 (the trainer's tensors), and what a fresh fp32 engine on B's bf16 checkpoint serves."""

@@ -80,6 +80,20 @@ def test_adapter_a_to_b_to_a(native: Native, transport: str) -> None:
     adapter.close()
 
 
+@pytest.mark.filterwarnings("ignore:Tensor .* exceeds buffer_size_bytes")
+def test_vllm_nccl_engine_under_the_backend(native: Native) -> None:
+    """The ``hotweights`` backend joins through vLLM's own NCCL engine (gloo on this CPU): its receive loop stages
+    every bucket, the session commits it, A -> B -> A equal to fresh engines."""
+    with make_transport("vllm_nccl", backend="gloo", buffer_bytes=16 << 10) as transport:
+        adapter = native.adapter(transport)
+        for ckpt in (native.b, native.a, native.b):
+            native.install(adapter, ckpt)
+            assert greedy_vllm(native.llm) == ckpt.fresh
+        adapter.close()
+    native.install(native.adapter("shm"), native.a)
+    assert greedy_vllm(native.llm) == native.a.fresh
+
+
 def test_collective_reinit_after_trainer_restart(native: Native) -> None:
     first = native.adapter("collective")
     native.install(first, native.a)

@@ -619,6 +619,7 @@ class TestWorkerExtension:
             "vllm": compat.vllm_version(),
             "device": compat.device_kind(),
             "fixes": list(compat.apply_vllm_fixes()),
+            "vllm_nccl": {},
         }
 
     def test_full_session_installs_every_tensor_once_in_manifest_order(self, recorder: _Recorder) -> None:

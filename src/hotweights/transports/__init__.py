@@ -7,7 +7,9 @@ Built-ins, each a sibling module with a trainer-side ``WeightTransport`` and an 
 - ``collective``: a ``torch.distributed`` broadcast from the trainer to the workers (gloo on CPU, NCCL on GPU);
 - ``cuda_ipc``: buckets packed on the trainer's GPU, opened by workers on the same GPU through CUDA IPC handles;
 - ``ray``: each bucket put into Ray's object store once, fetched by every engine actor (engines in Ray actors);
-- ``reference``: the tensors themselves, to a worker in this process (an in-process engine: nothing is copied).
+- ``reference``: the tensors themselves, to a worker in this process (an in-process engine: nothing is copied);
+- ``vllm_nccl``: vLLM's own packed NCCL broadcast and receive loop, into the session's staging
+  (:mod:`hotweights.vllm.nccl`).
 
 Modules are imported on first use. ``register_transport`` adds one; a name registered twice or unknown raises.
 """
@@ -75,3 +77,4 @@ register_transport("collective", "hotweights.transports.collective")
 register_transport("cuda_ipc", "hotweights.transports.cuda_ipc")
 register_transport("ray", "hotweights.transports.object_store")
 register_transport("reference", "hotweights.transports.reference")
+register_transport("vllm_nccl", "hotweights.vllm.nccl")

@@ -29,7 +29,15 @@ from hotweights.core.buckets import Bucket, pack_into
 from hotweights.core.errors import HotWeightsError, HotWeightsTimeoutError, InstallError
 from hotweights.transports.transport import Descriptor, EngineLink, Stage, WeightTransport
 
-__all__ = ["MAX_TIMEOUT_S", "MAX_WORKERS", "Transport", "close_group", "create_group", "open_bucket"]
+__all__ = [
+    "MAX_TIMEOUT_S",
+    "MAX_WORKERS",
+    "Transport",
+    "checked_join",
+    "close_group",
+    "create_group",
+    "open_bucket",
+]
 
 log = logging.getLogger("hotweights")
 
@@ -149,29 +157,15 @@ class Transport(WeightTransport):
         self.close()
         self._reconnect = engine  # until this connect succeeds
         world = 1 + engine.num_workers
-        td = datetime.timedelta(seconds=self.timeout)
-        # TCPStore alone listens on every interface whatever its host: hand it a socket bound to ``host`` (it takes
-        # ownership of the descriptor and closes it with the store).
-        listener = socket.create_server((self.host, self.port), backlog=64)
-        port = listener.getsockname()[1]
-        store = dist.TCPStore(
-            self.host, port, world, is_master=True, timeout=td, wait_for_workers=False,
-            master_listen_fd=listener.detach(),
-        )  # fmt: skip
+        port, host_group, keep = self._rendezvous(world)
         where = f"{self.host}:{port}"
         ended: queue.SimpleQueue[_Call] = queue.SimpleQueue()
         joining = _Call(
             f"the engine workers' join call (join_group at {where})",
-            lambda: engine.engine_op(
-                "join_group", host=self.host, port=port, world_size=world, backend=self.backend, timeout=self.timeout
-            ),
+            lambda: engine.engine_op("join_group", **self._join_args(port, world)),
             ended,
         )
-        hosting = _Call(
-            f"rendezvous with {engine.num_workers} engine worker(s) at {where}",
-            lambda: create_group(self.host, port, 0, world, self.backend, self.timeout, store=store),
-            ended,
-        )
+        hosting = _Call(f"rendezvous with {engine.num_workers} engine worker(s) at {where}", host_group, ended)
         pending = [hosting, joining]
         while pending:
             call = _next_to_end(ended, self.timeout)
@@ -188,7 +182,32 @@ class Transport(WeightTransport):
                     f"{who} could not join the collective group at {where}",
                     "fix the cause and install again (the next send re-connects)",
                 )
-        self._store, self._group, self._engine, self._reconnect = store, hosting.value, engine, None
+        self._store, self._group, self._engine, self._reconnect = keep, hosting.value, engine, None
+
+    def _rendezvous(self, world: int) -> tuple[int, Callable[[], Any], Any]:
+        """The trainer's end of a group of ``world`` ranks: its port, the call that forms the group as rank 0
+        (run beside the workers' join), and what the transport keeps open with the group (the store)."""
+        td = datetime.timedelta(seconds=self.timeout)
+        # TCPStore alone listens on every interface whatever its host: hand it a socket bound to ``host`` (it takes
+        # ownership of the descriptor and closes it with the store).
+        listener = socket.create_server((self.host, self.port), backlog=64)
+        port = listener.getsockname()[1]
+        store = dist.TCPStore(
+            self.host, port, world, is_master=True, timeout=td, wait_for_workers=False,
+            master_listen_fd=listener.detach(),
+        )  # fmt: skip
+        return port, lambda: create_group(self.host, port, 0, world, self.backend, self.timeout, store=store), store
+
+    def _join_args(self, port: int, world: int) -> dict[str, Any]:
+        """What the workers' ``join_group`` gets."""
+        return {"host": self.host, "port": port, "world_size": world, "backend": self.backend, "timeout": self.timeout}
+
+    def _broadcast(self, bucket: Bucket, tensors: Mapping[str, torch.Tensor]) -> Callable[[], object]:
+        """The trainer's half of one bucket's transfer, run beside the workers' stage call."""
+        buffer = torch.empty(bucket.nbytes, dtype=torch.uint8, device=self.device)
+        pack_into(buffer, bucket, tensors)
+        group = self._group
+        return lambda: group.broadcast(buffer, 0).wait()
 
     def send(self, bucket: Bucket, tensors: Mapping[str, torch.Tensor], stage: Stage) -> None:
         """Broadcast ``bucket`` while ``stage`` has the workers receive it.
@@ -206,15 +225,14 @@ class Transport(WeightTransport):
         group = self._group
         if group is None:
             raise HotWeightsError("collective transport is not connected; the adapter calls connect(engine) first")
-        buffer = torch.empty(bucket.nbytes, dtype=torch.uint8, device=self.device)
-        pack_into(buffer, bucket, tensors)
+        broadcast = self._broadcast(bucket, tensors)
         ended: queue.SimpleQueue[_Call] = queue.SimpleQueue()
         staging = _Call(
             f"the workers' stage call for bucket {bucket.index}",
             lambda: stage({"transport": self.name, "nbytes": bucket.nbytes}),
             ended,
         )
-        cast = _Call(f"broadcast of bucket {bucket.index}", lambda: group.broadcast(buffer, 0).wait(), ended)
+        cast = _Call(f"broadcast of bucket {bucket.index}", broadcast, ended)
         first = _next_to_end(ended, self.timeout)
         if first is staging and staging.error is None:
             # Every worker has its bytes: the broadcast ends at once, unless they answered without receiving.
@@ -310,6 +328,15 @@ def init_worker_group(worker: Any, host: str, port: int, world_size: int, backen
     The arguments come from the trainer (maybe a remote client): they are checked, and ``timeout`` is capped at
     :func:`max_timeout`.
     """
+    rank, timeout = checked_join(worker, host, port, world_size, backend, timeout)
+    close_group(worker)
+    group = create_group(host, port, rank, world_size, backend, timeout)
+    attach.put(worker, "group", (group, backend))
+
+
+def checked_join(worker: Any, host: str, port: int, world_size: int, backend: str, timeout: float) -> tuple[int, float]:
+    """A worker's group rank and its timeout (capped at :func:`max_timeout`), from a trainer's join arguments;
+    ``ValueError`` naming the first that is wrong."""
     if not isinstance(host, str) or not host:
         raise ValueError(f"host must be the trainer's address, got {host!r}; connect with the collective transport")
     _int_in(port, "port", 1, 65535, "pass the port of the trainer's rendezvous store")
@@ -331,9 +358,7 @@ def init_worker_group(worker: Any, host: str, port: int, world_size: int, backen
         raise ValueError(f"timeout {timeout!r} is not a number of seconds; pass at most {cap} s") from None
     if timeout > cap:
         log.warning("hotweights: collective timeout %s s capped at %s s (HOTWEIGHTS_MAX_RPC_TIMEOUT)", timeout, cap)
-    close_group(worker)
-    group = create_group(host, port, rank, world_size, backend, min(timeout, cap))
-    attach.put(worker, "group", (group, backend))
+    return rank, min(timeout, cap)
 
 
 def close_group(worker: Any) -> bool:

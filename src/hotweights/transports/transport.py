@@ -6,24 +6,34 @@ and cleans up. Engine side, the same module provides ``open_bucket(descriptor, w
 found through :func:`hotweights.transports.engine_side` by the descriptor's ``"transport"`` key. A transport that
 keeps state with the workers (a process group, kept segments) gets the adapter as its :class:`EngineLink` at
 ``connect`` and asks for the worker extension's ``hotweights_engine`` operations through ``engine_op``.
+An ``open_bucket`` marked :func:`receives_bucket` also gets the bucket and the manifest (checked by the staging area
+before it is called), for a receiver that must know the tensors' names, shapes and offsets.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
-from typing import Any, ClassVar, Protocol, runtime_checkable
+from typing import Any, ClassVar, Protocol, TypeVar, runtime_checkable
 
 import torch
 
 from hotweights.core.buckets import Bucket
 
-__all__ = ["Descriptor", "EngineLink", "Stage", "WeightTransport"]
+__all__ = ["Descriptor", "EngineLink", "Stage", "WeightTransport", "receives_bucket"]
 
 #: What the engine needs to find a bucket's bytes: plain JSON/msgpack types only (str, int, bytes, lists, dicts).
 Descriptor = dict[str, Any]
 #: Delivers a descriptor to every worker and returns when they have staged the bucket.
 Stage = Callable[[Descriptor], None]
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def receives_bucket(open_bucket: F) -> F:
+    """Mark an engine-side ``open_bucket`` that takes ``(descriptor, worker, bucket, manifest)``."""
+    open_bucket.receives_bucket = True  # type: ignore[attr-defined]
+    return open_bucket
 
 
 @runtime_checkable

@@ -96,8 +96,10 @@ def _status(worker: Any) -> dict[str, Any]:
     this worker's own delta copy, and the trainer's shared copy it maps (``""``: none); the install session open
     (``""``: none), the last updates dropped by their staging expiry, and the model's architecture, the vLLM
     version and device kind (what :mod:`hotweights.core.families` proves families on), and the mends of vLLM's
-    reload in place in this worker (:data:`~hotweights.vllm.compat.VLLM_FIXES`)."""
+    reload in place in this worker (:data:`~hotweights.vllm.compat.VLLM_FIXES`), and vLLM's NCCL engine it joined
+    through (:func:`hotweights.vllm.nccl.joined`)."""
     from hotweights.vllm.compat import apply_vllm_fixes, device_kind, vllm_version, weights_asleep_here
+    from hotweights.vllm.nccl import joined
 
     session = session_of(worker)
     config = getattr(getattr(worker, "model_config", None), "hf_config", None)
@@ -116,6 +118,7 @@ def _status(worker: Any) -> dict[str, Any]:
         "vllm": vllm_version(),
         "device": device_kind(),
         "fixes": list(apply_vllm_fixes()),
+        "vllm_nccl": joined(worker),
     }
 
 
@@ -139,9 +142,20 @@ def _clear_kv_cache(worker: Any) -> int:
 
 
 def _join_group(
-    worker: Any, host: str, port: int, world_size: int, backend: str = "gloo", timeout: float = 60.0
+    worker: Any,
+    host: str,
+    port: int,
+    world_size: int,
+    backend: str = "gloo",
+    timeout: float = 60.0,
+    vllm_nccl: dict[str, Any] | None = None,
 ) -> int:
-    """Join the trainer's collective group (closing a stale one first); returns this worker's group rank."""
+    """Join the trainer's collective group (closing a stale one first); returns this worker's group rank. With
+    ``vllm_nccl`` (its buffer geometry), through vLLM's own NCCL engine (:mod:`hotweights.vllm.nccl`)."""
+    if vllm_nccl is not None:
+        from hotweights.vllm.nccl import join
+
+        return join(worker, host, port, world_size, backend, timeout, vllm_nccl)
     from hotweights.transports.collective import init_worker_group
 
     init_worker_group(worker, host, port, world_size, backend, timeout)
@@ -149,10 +163,11 @@ def _join_group(
 
 
 def _leave_group(worker: Any) -> bool:
-    """Drop the collective group, if any."""
+    """Drop the collective group (and vLLM's NCCL engine), if any."""
     from hotweights.transports.collective import close_group
+    from hotweights.vllm.nccl import leave
 
-    return close_group(worker)
+    return leave(worker) | close_group(worker)
 
 
 def _release_segments(worker: Any, ids: list[str] | None = None) -> int:

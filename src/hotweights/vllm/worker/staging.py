@@ -114,7 +114,11 @@ class StagingArea:
         if problems:
             raise ValueError(f"bucket {bucket.index} refused before receiving: " + "; ".join(problems))
         try:
-            buffer, keepalive = engine_side(descriptor)(descriptor, self.owner)
+            opener = engine_side(descriptor)
+            if getattr(opener, "receives_bucket", False):
+                buffer, keepalive = opener(descriptor, self.owner, bucket, session.manifest)
+            else:
+                buffer, keepalive = opener(descriptor, self.owner)
         except (KeyError, TypeError, AttributeError, OverflowError, AssertionError, RuntimeError) as exc:
             name = descriptor.get("transport")
             raise ValueError(f"malformed {name!r} descriptor: {type(exc).__name__}: {exc}") from None

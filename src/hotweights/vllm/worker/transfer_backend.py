@@ -52,6 +52,8 @@ class HotWeightsInitInfo(WeightTransferInitInfo):
     world_size: int | None = None
     backend: str = "gloo"
     timeout: float = 60.0
+    vllm_nccl: dict[str, Any] | None = None
+    """Join through vLLM's own NCCL engine, with this packed-buffer geometry (:mod:`hotweights.vllm.nccl`)."""
 
 
 @dataclass
@@ -105,11 +107,15 @@ class HotWeightsTransferEngine(WeightTransferEngine[HotWeightsInitInfo, HotWeigh
     @enveloped
     def init_transfer_engine(self, init_info: HotWeightsInitInfo) -> None:
         if init_info.host is not None and init_info.port is not None and init_info.world_size is not None:
+            args = (self, init_info.host, init_info.port, init_info.world_size, init_info.backend, init_info.timeout)
+            if init_info.vllm_nccl is not None:
+                from hotweights.vllm.nccl import join
+
+                join(*args, init_info.vllm_nccl)
+                return
             from hotweights.transports.collective import init_worker_group
 
-            init_worker_group(
-                self, init_info.host, init_info.port, init_info.world_size, init_info.backend, init_info.timeout
-            )
+            init_worker_group(*args)
 
     @enveloped
     def start_weight_update(self) -> None:
@@ -153,6 +159,8 @@ class HotWeightsTransferEngine(WeightTransferEngine[HotWeightsInitInfo, HotWeigh
 
     def shutdown(self) -> None:
         from hotweights.transports.collective import close_group
+        from hotweights.vllm.nccl import leave
 
         self._session.abort()
+        leave(self)
         close_group(self)
