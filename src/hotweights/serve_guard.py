@@ -15,6 +15,10 @@ What it does, before vLLM sees the request:
 - **Rendezvous hosts**: a ``hotweights_engine("join_group", ...)`` or ``init_weight_transfer_engine`` call (through
   ``POST /collective_rpc``, or ``POST /init_weight_transfer_engine``) naming a host other than the caller's own
   address or loopback is refused (403), unless the host is on the allow-list.
+- **Requests queue during a pause**: while the engine is paused with ``mode=wait`` or ``abort`` (``POST /pause``,
+  what an install does), a request to a generation route (:data:`GENERATION_ROUTES`) is held and handed to vLLM
+  after ``POST /resume``, as vLLM 0.31 and 0.32 queue it; from 0.33 vLLM itself would answer it 503 (retry) until
+  the resume. A request is held at most ``HOTWEIGHTS_MAX_RPC_TIMEOUT`` seconds, then handed over as it is.
 - **Timeouts**: the ``timeout`` of a ``/collective_rpc`` body (and a rendezvous' own ``timeout``) is capped at
   ``HOTWEIGHTS_MAX_RPC_TIMEOUT`` seconds (a missing or null one, which vLLM reads as "no limit", too); one that is
   not a number of seconds is refused (400), as is a body that is not a JSON object.
@@ -35,6 +39,7 @@ Without a token and without the opt-out, the guard fails closed: every request i
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import hmac
 import ipaddress
@@ -74,6 +79,28 @@ MAX_BODY_BYTES = 64 << 20
 TOKEN_HEADER = b"x-hotweights-token"
 COLLECTIVE_RPC = "/collective_rpc"
 INIT_TRANSFER = "/init_weight_transfer_engine"
+PAUSE, RESUME = "/pause", "/resume"
+#: The routes that start generation: held (POST) while the engine is paused with ``mode=wait`` or ``abort``.
+GENERATION_ROUTES = frozenset(
+    {
+        "/v1/completions",
+        "/v1/chat/completions",
+        "/v1/responses",
+        "/v1/messages",
+        "/v1/embeddings",
+        "/v1/audio/transcriptions",
+        "/v1/audio/translations",
+        "/inference/v1/generate",
+        "/pooling",
+        "/classify",
+        "/score",
+        "/v1/score",
+        "/rerank",
+        "/v1/rerank",
+        "/v2/rerank",
+        "/invocations",
+    }
+)
 ENGINE_OP = "hotweights_engine"
 #: The ``hotweights_engine`` operation that makes the workers connect to a host (the collective rendezvous).
 RENDEZVOUS = "join_group"
@@ -211,6 +238,10 @@ class HotWeightsGuard:
             logger.error(self._broken)
         token = self.config.token if self.config is not None else None
         self._digest = hashlib.sha256(token.encode()).digest() if token is not None else None
+        self._paused: asyncio.Event | None = None
+        """Set while a pause with ``mode=wait`` or ``abort`` holds generation; None otherwise."""
+        self.held = 0
+        """Requests held until a resume (for tests, metrics)."""
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
@@ -234,10 +265,54 @@ class HotWeightsGuard:
             )
             return
         path = _path(scope)
-        if kind == "http" and scope.get("method") == "POST" and path in (COLLECTIVE_RPC, INIT_TRANSFER):
+        post = kind == "http" and scope.get("method") == "POST"
+        if post and path in (COLLECTIVE_RPC, INIT_TRANSFER):
             await self._checked(scope, receive, send, path)
             return
+        if post and path in (PAUSE, RESUME):
+            await self._pausing(scope, receive, send, path)
+            return
+        if post and path in GENERATION_ROUTES and self._paused is not None:
+            await self._held(path)
         await self.app(scope, receive, send)
+
+    async def _pausing(self, scope: Scope, receive: Receive, send: Send, path: str) -> None:
+        """Forward a pause or resume; a pause that rejects new requests holds generation routes until the resume
+        (or until the pause fails)."""
+        if path == PAUSE and _query(scope).get("mode", "abort") in ("wait", "abort") and self._paused is None:
+            self._paused = asyncio.Event()
+        status: list[int] = []
+
+        async def sent(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                status.append(int(message["status"]))
+            await send(message)
+
+        try:
+            await self.app(scope, receive, sent)
+        finally:
+            if path == RESUME or not status or status[0] >= 300:
+                self._release()
+
+    def _release(self) -> None:
+        paused, self._paused = self._paused, None
+        if paused is not None:
+            paused.set()
+
+    async def _held(self, path: str) -> None:
+        assert self.config is not None
+        paused = self._paused
+        if paused is None:
+            return
+        self.held += 1
+        try:
+            await asyncio.wait_for(paused.wait(), self.config.max_rpc_timeout)
+        except asyncio.TimeoutError:
+            logger.warning(
+                "hotweights guard: POST %s held %g s by a pause without a resume; handed to vLLM as it is",
+                path,
+                self.config.max_rpc_timeout,
+            )
 
     def _authorized(self, scope: Scope) -> bool:
         assert self._digest is not None
@@ -452,6 +527,12 @@ def _path(scope: Scope) -> str:
     path = str(scope.get("path", ""))
     root = str(scope.get("root_path", ""))
     return path.removeprefix(root) if root and path.startswith(root) else path
+
+
+def _query(scope: Scope) -> dict[str, str]:
+    from urllib.parse import parse_qsl
+
+    return dict(parse_qsl(bytes(scope.get("query_string", b"")).decode("latin-1")))
 
 
 def _caller(scope: Scope) -> str | None:

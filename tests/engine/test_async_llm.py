@@ -185,6 +185,46 @@ def test_wait_mode_request_in_flight_is_entirely_old(plain: Async) -> None:
     assert plain.greedy() == plain.b.hf
 
 
+def test_a_request_that_arrives_during_a_wait_install_queues_for_the_new_weights(plain: Async) -> None:
+    """Under pause="wait", a request sent while the install holds the engine is held by hotweights and handed to
+    vLLM after the resume (from vLLM 0.33 a paused engine rejects it), then served entirely by the new weights."""
+    from hotweights.handles import as_engine
+
+    gate = as_engine(plain.engine).gate
+    plain.install(plain.a)
+    held = gate.held
+
+    async def scenario() -> list[int]:
+        from vllm import SamplingParams
+
+        sp = SamplingParams(temperature=0.0, max_tokens=80, ignore_eos=True, detokenize=False)
+        started = asyncio.Event()
+
+        async def long_request() -> None:
+            async for _ in plain.engine.generate({"prompt_token_ids": LONG}, sp, request_id=f"t{next(_ids)}"):
+                started.set()
+
+        first = asyncio.create_task(long_request())
+        await started.wait()
+        plain.version += 1
+        install = asyncio.create_task(
+            hotweights.install_async(plain.engine, plain.b.state_dict(), weight_version=plain.version, **plain.options)
+        )
+
+        async def held() -> None:  # the install holds new requests (the long one drains meanwhile)
+            while gate._hold is None:
+                await asyncio.sleep(0.001)
+
+        await asyncio.wait_for(held(), 60)
+        late = await _generate(plain.engine, PROMPTS[0])  # waits for the resume, then runs on B
+        await install
+        await first
+        return list(late.outputs[0].token_ids)
+
+    assert plain.loop.run(scenario()) == plain.b.hf[0]
+    assert gate.held == held + 1
+
+
 def test_abort_mode_ends_the_request(plain: Async) -> None:
     out, _ = _in_flight(plain, plain.a, "abort")
     assert out.outputs[0].finish_reason == "abort"

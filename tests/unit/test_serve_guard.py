@@ -50,6 +50,8 @@ class FakeVLLM:
 
     def __init__(self) -> None:
         self.calls: list[tuple[str, str, bytes, dict[str, str]]] = []
+        self.status: dict[str, int] = {}
+        """An answer's status by path (default 200)."""
         paths = {path for _, path in ROUTES if path != "/no/such/route"}
         routes: list[Any] = [Route(p, self.handle, methods=["GET", "POST"]) for p in sorted(paths)]
         routes.append(WebSocketRoute("/v1/realtime", self.websocket))
@@ -70,7 +72,7 @@ class FakeVLLM:
             return JSONResponse({"vllm_config": {**config, "model_config": {"model": "tiny", "dtype": "float32"}}})
         if path == "/collective_rpc":
             return JSONResponse({"results": [STATUS_ANSWER]})
-        return JSONResponse({"ok": True})
+        return JSONResponse({"ok": True}, status_code=self.status.get(path, 200))
 
     async def chunks(self) -> AsyncIterator[bytes]:
         for i in range(3):
@@ -664,3 +666,47 @@ def test_reload_weights_only_of_a_hotweights_checkpoint_in_shared_memory(
     with client(guarded(fake)) as c:
         answer = c.post("/collective_rpc", json={"method": "reload_weights", "args": [], "kwargs": kwargs})
     assert answer.status_code == status, kwargs
+
+
+# ------------------------------------------------------------------------------------------------ pause hold
+def _hold_scenario(fake: FakeVLLM, mode: str, pause_status: int = 200) -> tuple[HotWeightsGuard, list[str], int]:
+    """Pause with ``mode``, send a completion, then resume: the paths in the order they reached vLLM, and how many
+    completions had reached it before the resume."""
+    guard = guarded(fake)
+    fake.status["/pause"] = pause_status
+
+    async def scenario() -> int:
+        transport = httpx.ASGITransport(app=guard, client=CALLER)
+        headers = {"Authorization": f"Bearer {TOKEN}"}
+        async with httpx.AsyncClient(transport=transport, base_url="http://server", headers=headers) as http:
+            await http.post("/pause", params={"mode": mode})
+            completion = asyncio.ensure_future(http.post("/v1/completions", json={"prompt": "x"}))
+            for _ in range(50):
+                await asyncio.sleep(0)
+            before = sum(path == "/v1/completions" for _, path, _, _ in fake.calls)
+            assert (await http.post("/resume")).status_code == 200
+            assert (await completion).status_code == 200
+            return before
+
+    before = asyncio.run(scenario())
+    return guard, [path for _, path, _, _ in fake.calls], before
+
+
+@pytest.mark.parametrize("mode", ["wait", "abort"])
+def test_a_generation_request_during_a_pause_is_held_until_the_resume(fake: FakeVLLM, mode: str) -> None:
+    """vLLM 0.33 and later answer it 503 while paused with wait or abort; the guard keeps 0.31-0.32's queueing."""
+    guard, order, before = _hold_scenario(fake, mode)
+    assert before == 0 and guard.held == 1
+    assert order == ["/pause", "/resume", "/v1/completions"]
+
+
+def test_keep_mode_holds_nothing(fake: FakeVLLM) -> None:
+    guard, order, before = _hold_scenario(fake, "keep")
+    assert before == 1 and guard.held == 0
+    assert order == ["/pause", "/v1/completions", "/resume"]
+
+
+def test_a_failed_pause_holds_nothing(fake: FakeVLLM) -> None:
+    guard, order, before = _hold_scenario(fake, "wait", pause_status=500)
+    assert before == 1 and guard.held == 0
+    assert order == ["/pause", "/v1/completions", "/resume"]

@@ -151,11 +151,20 @@ class AsyncLLMHandle(EngineHandle):
 
 class PauseGate:
     """The :class:`~hotweights.core.gate.WriteGate` of an ``AsyncLLM``: pause the scheduler, resume always (an
-    engine someone else paused is left paused)."""
+    engine someone else paused is left paused).
+
+    Under ``pause="wait"`` or ``"abort"`` it also holds requests that arrive during the install and hands them to
+    vLLM after the resume, so they queue on every vLLM: from 0.33 vLLM itself rejects them while paused
+    (``RetryableRequestError``). One that slipped past the hold as the pause began is resubmitted once it ends."""
 
     def __init__(self, handle: AsyncLLMHandle) -> None:
         self.handle = handle
         self.refusal: str | None = None
+        self._hold: asyncio.Event | None = None
+        self.installs = 0
+        """Installs that held requests so far (a rejected request resubmits when one ran since it was sent)."""
+        self.held = 0
+        """Requests held until an install resumed the engine, and rejected ones resubmitted (for tests, metrics)."""
 
     @contextmanager
     def installing(self, timeout: float | None = None) -> Iterator[float]:
@@ -164,14 +173,33 @@ class PauseGate:
         # Paused by someone else already (not asleep: checked before): the install goes on under that pause and
         # leaves it (a trainer killed while it held a pause took this in-process engine with it).
         ours = handle.scheduler_paused() is not True
+        hold = asyncio.Event() if ours and mode != "keep" else None
+        self._hold = hold
         try:
             if ours:  # "keep" leaves frozen requests their KV blocks; the other modes drain, so the caches can go now
                 pause = handle.engine.pause_generation(mode=mode, clear_cache=mode != "keep")
                 handle.run(pause, timeout, f"pause_generation(mode={mode!r}) (requests in flight)")
             yield time.perf_counter() - start
         finally:
-            if ours:
-                handle.run(handle.engine.resume_generation(), SHORT_TIMEOUT, "resume_generation")
+            try:
+                if ours:
+                    handle.run(handle.engine.resume_generation(), SHORT_TIMEOUT, "resume_generation")
+            finally:
+                if hold is not None:
+                    self._hold = None
+                    self.installs += 1
+                    loop = handle.loop
+                    if loop is not None and not loop.is_closed():
+                        loop.call_soon_threadsafe(hold.set)
+
+    async def wait_open(self) -> bool:
+        """Wait while an install holds new requests; True when it did."""
+        hold = self._hold
+        if hold is None:
+            return False
+        self.held += 1
+        await hold.wait()
+        return True
 
     def refuse(self, reason: str) -> None:
         self.refusal = reason
@@ -180,15 +208,31 @@ class PauseGate:
         self.refusal = None
 
 
+#: Times a request rejected by a paused engine is resubmitted after an install (each time another install began).
+RESUBMITS = 3
+
+
 def _refusing(method: Callable[..., AsyncIterator[Any]], gate: PauseGate) -> Callable[..., AsyncIterator[Any]]:
-    """``method`` (an async generator) that raises :class:`PartialUpdateError` while ``gate`` refuses."""
+    """``method`` (an async generator) that raises :class:`PartialUpdateError` while ``gate`` refuses, waits while
+    an install holds requests, and resubmits a request vLLM rejected because an install had just paused it."""
 
     @functools.wraps(method)
     async def call(*args: Any, **kwargs: Any) -> AsyncIterator[Any]:
-        if gate.refusal is not None:
-            raise PartialUpdateError(gate.refusal)
-        async for item in method(*args, **kwargs):
-            yield item
+        for attempt in range(RESUBMITS + 1):
+            await gate.wait_open()
+            if gate.refusal is not None:  # also one set by the install a request waited for (fail closed)
+                raise PartialUpdateError(gate.refusal)
+            installs, started = gate.installs, False
+            try:
+                async for item in method(*args, **kwargs):
+                    started = True
+                    yield item
+                return
+            except Exception as exc:
+                rejected = type(exc).__name__ == "RetryableRequestError" and not started
+                if not rejected or attempt == RESUBMITS or (gate._hold is None and gate.installs == installs):
+                    raise
+                gate.held += 1  # paused by an install between the hold's check and vLLM's admission: resubmit
 
     return call
 
