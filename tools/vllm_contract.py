@@ -669,6 +669,36 @@ CONTRACT: tuple[Entry, ...] = (
         "releases a trainer's collective group (0.31 has none: compat.worker_lacks answers it)",
         vllm=">=0.32",
     ),
+    # --- 0.34's extensible KV cache: compat.kv_cache_lent (a reload borrows its memory)
+    _e(
+        "vllm.v1.worker.extensible_kv_cache",
+        "kv_cache_lent_for_weight_update",
+        "function",
+        "compat.kv_cache_lent (streaming commit)",
+        "vLLM's loan, entered where hotweights opens the reload itself",
+        args=("kv_cache", "model"),
+        kwargs=("reclaimable", "fail_if_short"),
+        vllm=">=0.34",
+    ),
+    _e(
+        _WORKER,
+        "Worker.set_kv_cache_reclaimable",
+        "method",
+        "compat.kv_cache_lent",
+        "the cache holds nothing to keep during the commit",
+        args=("reclaimable",),
+        vllm=">=0.34",
+    ),
+    _e(_WORKER, "_kv_cache_reclaimable", "assigned", "compat.kv_cache_lent", "read back, restored", vllm=">=0.34"),
+    _e(_RUNNER_V2, "extensible_kv_cache", "assigned", "compat.kv_cache_lent", "the cache itself", vllm=">=0.34"),
+    _e(
+        "vllm.config.cache",
+        "CacheConfig.enable_extensible_kv_cache",
+        "attribute",
+        "compat.extensible_kv_cache, RemoteHandle",
+        "whether the trainer sends kv_reclaimable",
+        vllm=">=0.34",
+    ),
     # --- vllm/nccl.py: vLLM's own NCCL weight transfer under the session (transport "vllm_nccl")
     _e(
         _NCCL_COMMON,

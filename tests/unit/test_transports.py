@@ -834,7 +834,7 @@ class TestStreamingSession:
         stream = _RecordingStream()
         opened: list[tuple[Any, str]] = []
 
-        def open_stream(worker: Any, manifest: WeightUpdateManifest, method: str) -> _RecordingStream:
+        def open_stream(worker: Any, manifest: WeightUpdateManifest, method: str, **_: Any) -> _RecordingStream:
             opened.append((worker, method))
             return stream
 

@@ -162,8 +162,15 @@ class Installer(VLLMEngineAdapter):
             commit=self.commit,
             verify=timer.verify,
             expires_s=_expiry(timer),
+            kv_reclaimable=self._kv_reclaimable,
             **more,
         )
+
+    @property
+    def _kv_reclaimable(self) -> bool:
+        """Whether a reload may borrow the engine's KV cache (vLLM 0.34's extensible one): nothing runs on it
+        during the install (pause wait or abort) and the caches are reset after."""
+        return self.engine.extensible_kv_cache and self.engine.pause_mode != "keep"
 
     def _install(self, manifest: WeightUpdateManifest, items: Items, timer: InstallCall) -> dict[str, Any]:
         keep = self._delta.tracking and self._keeps_base_on_workers and not self._shares_base
@@ -182,6 +189,7 @@ class Installer(VLLMEngineAdapter):
             keep_base=self._keeps_base_on_workers and shared is None,
             shared_base=shared.descriptor() if shared is not None else None,
             expires_s=_expiry(timer),
+            kv_reclaimable=self._kv_reclaimable,
         )
         try:
             return self._session(wire, options, delta.wire, timer)

@@ -130,6 +130,10 @@ class AsyncLLMHandle(EngineHandle):
     def model_config(self) -> Any:
         return compat.engine_model_config(self.engine).hf_config
 
+    @property
+    def extensible_kv_cache(self) -> bool:
+        return compat.extensible_kv_cache(self.engine)
+
     def engine_dtype(self) -> Any:
         return compat.engine_dtype(self.engine)
 

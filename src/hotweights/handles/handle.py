@@ -136,6 +136,12 @@ class EngineHandle(ABC):
         """The ``weight_transfer_config.backend`` the engine was started with (``""`` when none)."""
 
     @property
+    def extensible_kv_cache(self) -> bool:
+        """Whether the engine's KV cache is vLLM 0.34's extensible one (see
+        :func:`hotweights.vllm.compat.kv_cache_lent`)."""
+        return False
+
+    @property
     def same_host(self) -> bool:
         """True when the engine's workers run on this host (they can map this host's ``/dev/shm``)."""
         return True

@@ -91,6 +91,10 @@ class LLMHandle(EngineHandle):
     def model_config(self) -> Any:
         return compat.engine_model_config(self.llm).hf_config
 
+    @property
+    def extensible_kv_cache(self) -> bool:
+        return compat.extensible_kv_cache(self.llm)
+
     def engine_dtype(self) -> Any:
         return compat.engine_dtype(self.llm)
 

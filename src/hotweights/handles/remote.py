@@ -223,6 +223,10 @@ class RemoteHandle(EngineHandle):
             )
         raise InstallError(f"the server at {self.url} failed {what} (HTTP {response.status_code}): {message}")
 
+    @property
+    def extensible_kv_cache(self) -> bool:
+        return _dig(self._config, "cache_config", "enable_extensible_kv_cache") is True
+
     def _server_config(self) -> dict[str, Any]:
         """The server's ``VllmConfig`` as JSON (dev route ``/server_info``); empty when it cannot be read."""
         try:

@@ -40,9 +40,11 @@ __all__ = [
     "engine_mode",
     "engine_model_config",
     "engine_weight_version",
+    "extensible_kv_cache",
     "has_unfinished_requests",
     "inprocess_model",
     "is_sleeping",
+    "kv_cache_lent",
     "lora_request",
     "mark_weight_update",
     "max_lora_rank",
@@ -290,6 +292,50 @@ def engine_dtype(llm: Any) -> torch.dtype:
     dtype = _model_config(llm).dtype
     assert isinstance(dtype, torch.dtype)
     return dtype
+
+
+def extensible_kv_cache(llm: Any) -> bool:
+    """Whether the engine runs vLLM 0.34's extensible KV cache (``cache_config.enable_extensible_kv_cache``; on by
+    default on CUDA): its memory is all the KV cache's but for measured transients, and a weight reload must borrow
+    from it (:func:`kv_cache_lent`). False where vLLM has no such cache."""
+    cache = getattr(getattr(_llm_engine(llm), "vllm_config", None), "cache_config", None)
+    return getattr(cache, "enable_extensible_kv_cache", None) is True
+
+
+@contextlib.contextmanager
+def kv_cache_lent(worker: Any, *, reclaimable: bool, lend: bool) -> Iterator[None]:
+    """Room for a weight reload in a worker whose KV cache is vLLM 0.34's extensible one (a no-op elsewhere).
+
+    ``reclaimable``: the trainer keeps generation off the engine and the caches are reset after the install (pause
+    ``wait`` or ``abort``), so the KV cache holds nothing to keep: the worker says so to vLLM
+    (``Worker.set_kv_cache_reclaimable``) for the duration, as vLLM's own pause with ``clear_cache`` does, and a
+    reload short of memory may release the cache's memory and recommit it after. ``lend``: enter vLLM's loan here
+    (``extensible_kv_cache.kv_cache_lent_for_weight_update``, which fails before any weight changes when not even the
+    largest layer fits); vLLM's ``Worker.reload_weights`` enters it itself, a layerwise reload opened by hotweights
+    (a streaming commit) does not.
+    """
+    worker = getattr(worker, "worker", worker)
+    mark = getattr(worker, "set_kv_cache_reclaimable", None)  # 0.34's Worker: only then is its runner read
+    kv_cache = getattr(getattr(worker, "model_runner", None), "extensible_kv_cache", None) if callable(mark) else None
+    if kv_cache is None or not callable(mark):
+        yield
+        return
+    before = bool(getattr(worker, "_kv_cache_reclaimable", False))
+    if reclaimable and not before:
+        mark(True)
+    try:
+        if lend:
+            from vllm.v1.worker.extensible_kv_cache import kv_cache_lent_for_weight_update
+
+            with kv_cache_lent_for_weight_update(
+                kv_cache, worker_model(worker), reclaimable=reclaimable or before, fail_if_short=True
+            ):
+                yield
+        else:
+            yield
+    finally:
+        if reclaimable and not before:
+            mark(False)
 
 
 def engine_model_config(llm: Any) -> Any:

@@ -73,6 +73,10 @@ class SessionOptions(pydantic.BaseModel):
     """Keep a host copy of what this session installs, for later deltas (the trainer uses deltas on this engine)."""
     verify: bool = False
     """After the commit, read the live parameters back and compare them with what was staged."""
+    kv_reclaimable: bool = False
+    """The trainer keeps generation off the engine and resets its caches after (pause ``wait`` or ``abort``): a
+    reload may borrow vLLM 0.34's extensible KV cache (:func:`hotweights.vllm.compat.kv_cache_lent`). Sent only to
+    an engine that has one."""
     expires_s: float | None = pydantic.Field(default=None, gt=0, le=MAX_EXPIRY_S)
     """Drop what was staged if no commit came within this many seconds (a fleet's trainer that died between stage
     and commit); None: kept until the next ``begin``. At most :data:`MAX_EXPIRY_S`."""
@@ -187,7 +191,10 @@ class WorkerSession:
             if options.method != "auto":  # a forced method: the stream plans (or refuses) itself
                 chosen[:] = [None, options.method, f"install_method={options.method!r} was asked for"]
             update_id = self.staging.begin(
-                given, lambda m: open_stream(self.worker, m, chosen[1] if chosen else choose(m)[1])
+                given,
+                lambda m: open_stream(
+                    self.worker, m, chosen[1] if chosen else choose(m)[1], kv_reclaimable=options.kv_reclaimable
+                ),
             )
             self._opened(options, update_id)
             session = self.staging.current(update_id)
@@ -240,6 +247,12 @@ class WorkerSession:
         assert prepared is not None
         self.options = self.prepared = self.delta = self.update_id = None
         self._arm(update_id, None)
+        from hotweights.vllm.compat import kv_cache_lent
+
+        with kv_cache_lent(self.worker, reclaimable=options.kv_reclaimable, lend=False):
+            return self._commit(options, prepared)
+
+    def _commit(self, options: SessionOptions, prepared: delta_state.Prepared) -> Summary:
         if options.delta is not None:
             return delta_state.commit(self.worker, self.base, prepared, options.method)
         session = prepared.session

@@ -16,11 +16,13 @@ Two streams, one per install method:
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Protocol
 
 import torch
 
 from hotweights.core.manifest import WeightUpdateManifest
+from hotweights.vllm.compat import kv_cache_lent
 from hotweights.vllm.worker import ops as worker_ops
 from hotweights.vllm.worker.setter import DirectPlan, apply_direct, model_slots, plan_direct
 
@@ -40,10 +42,11 @@ class Stream(Protocol):
         """Stop: incomplete layers keep their previous weights; the model is left servable."""
 
 
-def open_stream(worker: Any, manifest: WeightUpdateManifest, method: str) -> Stream:
-    """A stream for ``method`` (``"reload"`` or ``"direct"``) into ``worker``'s model."""
+def open_stream(worker: Any, manifest: WeightUpdateManifest, method: str, *, kv_reclaimable: bool = False) -> Stream:
+    """A stream for ``method`` (``"reload"`` or ``"direct"``) into ``worker``'s model (``kv_reclaimable``: see
+    :class:`~hotweights.vllm.worker.session.SessionOptions`)."""
     if method == "reload":
-        return ReloadStream(worker)
+        return ReloadStream(worker, kv_reclaimable=kv_reclaimable)
     if method == "direct":
         return DirectStream(worker, manifest)
     raise ValueError(f"unknown install method {method!r}; use 'reload' or 'direct'")
@@ -52,27 +55,37 @@ def open_stream(worker: Any, manifest: WeightUpdateManifest, method: str) -> Str
 class ReloadStream:
     """vLLM's layerwise reload, opened with the first bucket and fed one bucket at a time."""
 
-    def __init__(self, worker: Any) -> None:
+    def __init__(self, worker: Any, *, kv_reclaimable: bool = False) -> None:
         self.worker = worker
         self.model = worker_ops.worker_model(worker)
         self.opened = False  # the reload starts with the first bucket: until then the model serves as before
+        self.kv_reclaimable = kv_reclaimable
+        # vLLM 0.34's KV-cache loan, which its own reload_weights enters: held from the first bucket to the end
+        self.loan = contextlib.ExitStack()
 
     def feed(self, tensors: dict[str, torch.Tensor]) -> None:
         if not self.opened:
-            worker_ops.open_layerwise_reload(self.model)
+            self.loan.enter_context(kv_cache_lent(self.worker, reclaimable=self.kv_reclaimable, lend=True))
+            try:
+                worker_ops.open_layerwise_reload(self.model)
+            except BaseException:
+                self.loan.close()
+                raise
             self.opened = True
         # Views into the received bucket: a layer still waiting for parts keeps them (and so the bucket) alive.
         self.model.load_weights(iter(tensors.items()))  # type: ignore[operator]
 
     def finish(self) -> int:
-        if self.opened:
-            worker_ops.close_layerwise_reload(self.worker, self.model)
-        return worker_ops.refresh_tied_layers(self.model)
+        with self.loan:
+            if self.opened:
+                worker_ops.close_layerwise_reload(self.worker, self.model)
+            return worker_ops.refresh_tied_layers(self.model)
 
     def abort(self) -> None:
-        if self.opened:
-            worker_ops.close_layerwise_reload(self.worker, self.model, discard_incomplete=True)
-            worker_ops.refresh_tied_layers(self.model)
+        with self.loan:
+            if self.opened:
+                worker_ops.close_layerwise_reload(self.worker, self.model, discard_incomplete=True)
+                worker_ops.refresh_tied_layers(self.model)
 
 
 class DirectStream:
