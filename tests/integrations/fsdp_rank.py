@@ -54,8 +54,25 @@ def _counting_gathers(stats: dict[str, int]) -> None:
         counted(out)
         return out
 
+    from hotweights.core import sharded
+
+    original_rows = sharded._gather_rows
+    parts: weakref.WeakSet[torch.Tensor] = weakref.WeakSet()
+
+    def gather_rows(tensor: Any, start: int, stop: int, group: Any, index: int) -> Any:
+        posted = original_rows(tensor, start, stop, group, index)
+        if stats.get("on"):  # a part of a tensor larger than a bucket, gathered alone on the leader
+            stats["parts"] += 1
+            stats.setdefault("split", set()).add(index)  # type: ignore[union-attr]
+            alive.add(posted.full)
+            parts.add(posted.full)
+            stats["peak"] = max(stats["peak"], sum(t.nbytes for t in alive))
+            stats["parts_peak"] = max(stats["parts_peak"], sum(t.nbytes for t in parts))
+        return posted
+
     dist.gather = gather
     DTensor.full_tensor = full_tensor  # type: ignore[method-assign]
+    sharded._gather_rows = gather_rows  # type: ignore[assignment]
 
 
 #: How a Megatron-style trainer cuts a Qwen2's checkpoint tensors: column-parallel on dim 0, row-parallel on dim 1
@@ -160,7 +177,7 @@ def main() -> None:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
-    stats = {"on": 0, "gathers": 0, "peak": 0}
+    stats: dict[str, Any] = {"on": 0, "gathers": 0, "peak": 0, "parts": 0, "parts_peak": 0}
     _counting_gathers(stats)
     vocab = model.config.vocab_size
     options: dict[str, Any] = {"adapter": adapter} if adapter is not None else {}
@@ -171,11 +188,12 @@ def main() -> None:
         optimizer.step()
         optimizer.zero_grad()
 
-        stats.update(on=1, gathers=0, peak=0)
+        stats.update(on=1, gathers=0, peak=0, parts=0, parts_peak=0, split=set())
         report = hotweights.install(llm, model.state_dict(), weight_version=step, **options)
         stats["on"] = 0
         entry: dict[str, Any] = {"report": report.model_dump(mode="json"), "gathers": stats["gathers"]}
-        entry["peak"] = stats["peak"]
+        entry.update(peak=stats["peak"], parts=stats["parts"], parts_peak=stats["parts_peak"])
+        entry.update(split=len(stats["split"]), bucket_bytes=args.bucket_bytes)
         entry["dtensors"] = sum(1 for v in model.state_dict().values() if hasattr(v, "full_tensor"))
         full = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in model.state_dict().items()}
         if rank == 0:

@@ -328,3 +328,78 @@ class TestUnpackRefuses:
         assert "'x' is not in the manifest" in msg
         assert "'a' has 15 bytes, the manifest says 16" in msg
         assert "'b' at [192, 216) is outside the 200-byte" in msg
+
+
+class TestParts:
+    """A tensor larger than a bucket, from a source that reads rows alone, travels in parts the engine assembles."""
+
+    @staticmethod
+    def manifest() -> tuple[dict[str, torch.Tensor], WeightUpdateManifest]:
+        tensors = {"small": torch.arange(4.0), "big": torch.randn(10, 8), "after": torch.randn(3, 2)}
+        return tensors, WeightUpdateManifest.from_state_dict(tensors, weight_version=1)
+
+    def test_split_cuts_rows_of_at_most_a_bucket(self) -> None:
+        _, m = self.manifest()
+        plan = plan_buckets(m, bucket_bytes=96, split=lambda name: name == "big")
+        parts = [(e.rows, e.nbytes) for b in plan for e in b.entries if e.name == "big"]
+        assert parts == [((0, 3), 96), ((3, 6), 96), ((6, 9), 96), ((9, 10), 32)]
+        assert all(b.nbytes <= 96 for b in plan)
+        assert all(e.rows is None for b in plan for e in b.entries if e.name != "big")
+        whole = plan_buckets(m, bucket_bytes=96)  # without split: one bucket of its own
+        assert [e.rows for b in whole for e in b.entries if e.name == "big"] == [None]
+
+    def test_split_is_asked_only_for_tensors_over_a_bucket(self) -> None:
+        _, m = self.manifest()
+        asked: list[str] = []
+        plan_buckets(m, bucket_bytes=96, split=lambda name: asked.append(name) or True)
+        assert asked == ["big"]
+
+    def test_parts_pack_from_rows_alone_and_stage_whole(self) -> None:
+        from hotweights.vllm.worker.staging import StagingArea
+
+        tensors, m = self.manifest()
+        plan = plan_buckets(m, bucket_bytes=96, split=lambda name: name == "big")
+        read: list[tuple[str, int, int]] = []
+
+        class Rows(dict[str, torch.Tensor]):
+            def rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+                read.append((name, start, stop))
+                return tensors[name][start:stop]
+
+        source = Rows(tensors)
+        staging = StagingArea(owner=None)
+        staging.begin(m, check=False)
+        for bucket in reversed(plan):  # any order
+            buffer = torch.zeros(bucket.nbytes, dtype=torch.uint8)
+            pack_into(buffer, bucket, source)
+            staging.stage(
+                m.update_id,
+                bucket.model_dump_json(),
+                {"transport": "bytes", "nbytes": bucket.nbytes, "data": buffer.numpy().tobytes()},
+            )
+        assert sorted(read) == [("big", 0, 3), ("big", 3, 6), ("big", 6, 9), ("big", 9, 10)]
+        items, _ = staging.take(m.update_id)
+        assert all(torch.equal(dict(items)[n], tensors[n]) for n in tensors)
+
+    def test_staging_refuses_rows_twice_and_wrong_rows(self) -> None:
+        from hotweights.vllm.worker.staging import StagingArea
+
+        _, m = self.manifest()
+        plan = plan_buckets(m, bucket_bytes=96, split=lambda name: name == "big")
+        first = next(b for b in plan if any(e.rows == (0, 3) for e in b.entries))
+        staging = StagingArea(owner=None)
+        staging.begin(m, check=False)
+
+        def stage(bucket: Bucket) -> None:
+            buffer = torch.zeros(bucket.nbytes, dtype=torch.uint8)
+            descriptor = {"transport": "bytes", "nbytes": bucket.nbytes, "data": buffer.numpy().tobytes()}
+            staging.stage(m.update_id, bucket.model_dump_json(), descriptor)
+
+        stage(first)
+        with pytest.raises(ValueError, match=r"'big' rows \(0, 3\) were already staged"):
+            stage(first)
+        bad = first.model_copy(update={"entries": (first.entries[0].model_copy(update={"rows": (8, 12)}),)})
+        with pytest.raises(ValueError, match=r"rows \(8, 12\) are not rows of its shape"):
+            stage(bad)
+        with pytest.raises(ValueError, match="incomplete"):
+            staging.take(m.update_id)

@@ -229,7 +229,8 @@ class Installer(VLLMEngineAdapter):
         streaming = options.commit == "streaming" and options.delta is None
         member = timer.member  # inside a fleet: stop between staged and written (see core.two_phase)
         size = member.bucket_bytes if member and self.bucket_size else self.bucket_size
-        plan = plan_buckets(sent, size or sys.maxsize, whole_layers=streaming) if sent is not None else []
+        split = getattr(tensors, "splits", None)  # a sharded state dict: tensors over a bucket travel in parts
+        plan = plan_buckets(sent, size or sys.maxsize, whole_layers=streaming, split=split) if sent is not None else []
         update_id = sent.update_id if sent is not None else _delta_id(options)
         lent = self._delta.base if options.delta is not None and self.transport.by_reference else None
         try:

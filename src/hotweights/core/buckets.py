@@ -7,7 +7,7 @@ alone, so both ends agree on it and the engine can check every offset against th
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
@@ -24,7 +24,9 @@ __all__ = [
     "layer_key",
     "pack_into",
     "plan_buckets",
+    "rows_of",
     "unpack",
+    "unpack_parts",
 ]
 
 #: Byte alignment of every tensor inside a bucket (any dtype can be viewed at such an offset).
@@ -35,13 +37,15 @@ MAX_DEFAULT_BUCKET_BYTES = 512 << 20
 
 
 class BucketEntry(BaseModel):
-    """One tensor's place in a bucket."""
+    """One tensor's place in a bucket, or one part's: rows ``[start, stop)`` of its first dimension."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     name: str
     offset: int = Field(ge=0)
     nbytes: int = Field(ge=0)
+    rows: tuple[int, int] | None = None
+    """A part of a tensor larger than a bucket (:func:`plan_buckets` with ``split``): its rows ``[start, stop)``."""
 
 
 class Bucket(BaseModel):
@@ -83,7 +87,11 @@ def layer_key(name: str) -> str:
 
 
 def plan_buckets(
-    manifest: WeightUpdateManifest, bucket_bytes: int | None = None, *, whole_layers: bool = False
+    manifest: WeightUpdateManifest,
+    bucket_bytes: int | None = None,
+    *,
+    whole_layers: bool = False,
+    split: Callable[[str], bool] | None = None,
 ) -> list[Bucket]:
     """Greedy, order-preserving cut of the manifest's tensors into buckets of at most ``bucket_bytes``.
 
@@ -91,6 +99,10 @@ def plan_buckets(
     different buckets (the engine stages every bucket and installs once, so a split q/k/v is still correct). With
     ``whole_layers`` a bucket only ends between blocks (:func:`layer_key`) unless one block alone exceeds
     ``bucket_bytes``, so an engine that installs bucket by bucket completes whole layers each time.
+
+    ``split(name)``: whether a tensor larger than ``bucket_bytes`` may travel in parts (rows of its first dimension,
+    each part at most ``bucket_bytes`` where one row fits) instead of a bucket of its own; asked of those tensors
+    only, in manifest order. The engine assembles the parts (so a sender reading a part never holds more than it).
 
     Example:
         >>> m = WeightUpdateManifest.from_state_dict({"a": torch.zeros(10), "b": torch.zeros(10)}, weight_version=1)
@@ -113,15 +125,28 @@ def plan_buckets(
         if entries and _align(used) + _span(n for _, n in group) > limit:
             close()  # the whole block fits in a fresh bucket, or nowhere: never start it at the end of this one
         for name, n in group:
-            start = _align(used)
-            if entries and start + n > limit:
-                close()
-                start = 0
-            entries.append(BucketEntry(name=name, offset=start, nbytes=n))
-            used = start + n
+            for rows, size in _parts(manifest, name, n, limit, split):
+                start = _align(used)
+                if entries and start + size > limit:
+                    close()
+                    start = 0
+                entries.append(BucketEntry(name=name, offset=start, nbytes=size, rows=rows))
+                used = start + size
     if entries:
         close()
     return buckets
+
+
+def _parts(
+    manifest: WeightUpdateManifest, name: str, nbytes: int, limit: int, split: Callable[[str], bool] | None
+) -> list[tuple[tuple[int, int] | None, int]]:
+    """The tensor whole (``[(None, nbytes)]``), or its parts: (rows, bytes) of at most ``limit`` bytes each."""
+    shape = manifest.tensors[name].shape
+    if nbytes <= limit or split is None or not shape or shape[0] < 2 or not split(name):
+        return [(None, nbytes)]
+    row = nbytes // shape[0]
+    step = max(1, limit // row) if row else shape[0]
+    return [((a, min(a + step, shape[0])), (min(a + step, shape[0]) - a) * row) for a in range(0, shape[0], step)]
 
 
 def _groups(manifest: WeightUpdateManifest, whole_layers: bool) -> list[list[tuple[str, int]]]:
@@ -146,11 +171,22 @@ def _span(sizes: Iterable[int]) -> int:
 
 
 def pack_into(buffer: torch.Tensor, bucket: Bucket, tensors: Mapping[str, torch.Tensor]) -> None:
-    """Copy each tensor of ``bucket`` into the flat ``uint8`` ``buffer`` at its offset (one copy, any device)."""
+    """Copy each tensor (or part) of ``bucket`` into the flat ``uint8`` ``buffer`` at its offset (one copy, any
+    device)."""
     for e in bucket.entries:
-        src = tensors[e.name]
+        src = tensors[e.name] if e.rows is None else rows_of(tensors, e.name, *e.rows)
         dst = buffer[e.offset : e.offset + e.nbytes].view(src.dtype).view(src.shape)
         dst.copy_(src)
+
+
+def rows_of(tensors: Mapping[str, torch.Tensor], name: str, start: int, stop: int) -> torch.Tensor:
+    """Rows ``[start, stop)`` of ``tensors[name]``: read alone where the mapping can (``tensors.rows``, a sharded
+    state dict gathering only those rows), else sliced from the whole tensor."""
+    read = getattr(tensors, "rows", None)
+    if callable(read):
+        part: torch.Tensor = read(name, start, stop)
+        return part
+    return tensors[name][start:stop]
 
 
 _PADDING = memoryview(bytes(ALIGNMENT))
@@ -162,6 +198,8 @@ def byte_views(bucket: Bucket, tensors: Mapping[str, torch.Tensor]) -> list[memo
     a contiguous CPU tensor (then :func:`pack_into` copies it, from any device)."""
     views: list[memoryview] = []
     used = 0
+    if any(e.rows is not None for e in bucket.entries):
+        return None  # parts are read (and copied) by pack_into
     for e in bucket.entries:
         src = tensors[e.name]
         if src.device.type != "cpu" or not src.is_contiguous() or src.nbytes != e.nbytes:
@@ -197,6 +235,10 @@ def bucket_problems(bucket: Bucket, manifest: WeightUpdateManifest, size: int) -
         seen.add(e.name)
         if spec is None:
             problems.append(f"{e.name!r} is not in the manifest")
+        elif e.rows is not None:
+            problems += _part_problems(e, spec.shape, spec.expected_nbytes)
+            if not problems and (e.offset % ALIGNMENT or e.offset + e.nbytes > bucket.nbytes):
+                problems.append(f"{e.name!r} rows {e.rows} are outside the {bucket.nbytes}-byte bucket")
         elif e.nbytes != spec.expected_nbytes:
             problems.append(f"{e.name!r} has {e.nbytes} bytes, the manifest says {spec.expected_nbytes}")
         elif e.offset % ALIGNMENT or e.offset + e.nbytes > bucket.nbytes:
@@ -209,6 +251,30 @@ def bucket_problems(bucket: Bucket, manifest: WeightUpdateManifest, size: int) -
     if bucket.nbytes > packed:  # gaps between tensors: a bucket claims no bytes beyond its tensors' packing
         problems.append(f"bucket declares {bucket.nbytes} bytes, more than its tensors packed need ({packed})")
     return problems
+
+
+def _part_problems(e: BucketEntry, shape: tuple[int, ...], nbytes: int) -> list[str]:
+    assert e.rows is not None
+    start, stop = e.rows
+    if not shape or not 0 <= start < stop <= shape[0]:
+        return [f"{e.name!r} rows {e.rows} are not rows of its shape {tuple(shape)}"]
+    if e.nbytes != (stop - start) * (nbytes // shape[0]):
+        return [
+            f"{e.name!r} rows {e.rows} have {e.nbytes} bytes, the manifest says {(stop - start) * (nbytes // shape[0])}"
+        ]
+    return []
+
+
+def unpack_parts(
+    buffer: torch.Tensor, bucket: Bucket, manifest: WeightUpdateManifest
+) -> Iterator[tuple[str, tuple[int, int], torch.Tensor]]:
+    """Views of the parts of ``bucket`` (entries with ``rows``) inside ``buffer``: (name, rows, view). The caller
+    checked the bucket (:func:`bucket_problems`)."""
+    for e in bucket.entries:
+        if e.rows is not None:
+            spec = manifest.tensors[e.name]
+            view = buffer[e.offset : e.offset + e.nbytes].view(spec.torch_dtype)
+            yield e.name, e.rows, view.view(e.rows[1] - e.rows[0], *spec.shape[1:])
 
 
 def unpack(
@@ -227,5 +293,6 @@ def unpack(
     if problems:
         raise ValueError(f"bucket {bucket.index} does not match the manifest: " + "; ".join(problems))
     for e in bucket.entries:
-        spec = manifest.tensors[e.name]
-        yield e.name, buffer[e.offset : e.offset + e.nbytes].view(spec.torch_dtype).view(spec.shape)
+        if e.rows is None:  # parts: unpack_parts
+            spec = manifest.tensors[e.name]
+            yield e.name, buffer[e.offset : e.offset + e.nbytes].view(spec.torch_dtype).view(spec.shape)

@@ -10,18 +10,30 @@ difference stays a refusal that names this opt-in.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Literal, overload
+from typing import Literal, Protocol, overload
 
 import torch
 
 from hotweights.core.manifest import ExpectedWeights, TensorSpec, WeightUpdateManifest, dtype_to_str
 
-__all__ = ["Cast", "CastItems", "Load", "cast_targets", "item_names", "items_of", "lazy_mapping"]
+__all__ = ["Cast", "CastItems", "Load", "Parts", "cast_targets", "item_names", "items_of", "lazy_mapping"]
 
 Cast = torch.dtype | Literal["engine"]
 """A dtype every floating-point tensor is cast to, or ``"engine"``: the dtype the engine expects for each."""
 
 Load = Callable[[str, torch.Tensor], torch.Tensor]
+
+
+class Parts(Protocol):
+    """A source that can read rows of some tensors alone (a sharded state dict gathers only those rows)."""
+
+    def splits(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` (as the source holds it) may be read in parts."""
+
+    def load_rows(self, tensor: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+        """Rows ``[start, stop)`` of ``tensor``'s data."""
+
+
 """``load(name, tensor)``: the data behind a placeholder (e.g. a sharded tensor gathered when read), or ``tensor``."""
 
 
@@ -66,10 +78,12 @@ class CastItems(Sequence[tuple[str, torch.Tensor]]):
         source: Sequence[tuple[str, torch.Tensor]],
         targets: Mapping[str, torch.dtype],
         load: Load | None = None,
+        parts: Parts | None = None,
     ) -> None:
         self.source = list(source)
         self.targets = dict(targets)
         self.load = load
+        self.parts = parts
 
     @overload
     def __getitem__(self, index: int) -> tuple[str, torch.Tensor]: ...
@@ -77,7 +91,7 @@ class CastItems(Sequence[tuple[str, torch.Tensor]]):
     def __getitem__(self, index: slice) -> CastItems: ...
     def __getitem__(self, index: int | slice) -> tuple[str, torch.Tensor] | CastItems:
         if isinstance(index, slice):
-            return CastItems(self.source[index], self.targets, self.load)
+            return CastItems(self.source[index], self.targets, self.load, self.parts)
         name, tensor = self.source[index]
         return name, self._cast(name, tensor)
 
@@ -94,13 +108,26 @@ class CastItems(Sequence[tuple[str, torch.Tensor]]):
         dtype = self.targets.get(name)
         return tensor if dtype is None else tensor.to(dtype)
 
+    def splits(self, index: int) -> bool:
+        """Whether item ``index`` may be read in parts (:meth:`rows`)."""
+        return self.parts is not None and self.parts.splits(self.source[index][1])
+
+    def rows(self, index: int, start: int, stop: int) -> torch.Tensor:
+        """Rows ``[start, stop)`` of item ``index``, cast: read alone where the source can."""
+        name, tensor = self.source[index]
+        if self.parts is None or not self.parts.splits(tensor):
+            return self._cast(name, tensor)[start:stop]
+        part = self.parts.load_rows(tensor, start, stop)
+        dtype = self.targets.get(name)
+        return part if dtype is None else part.to(dtype)
+
     def without(self, names: Mapping[str, object]) -> CastItems:
         """The same pairs less those named in ``names``."""
-        return CastItems([(n, t) for n, t in self.source if n not in names], self.targets, self.load)
+        return CastItems([(n, t) for n, t in self.source if n not in names], self.targets, self.load, self.parts)
 
     def recast(self, targets: Mapping[str, torch.dtype]) -> CastItems:
         """The same pairs (and loader), cast to ``targets`` instead."""
-        return CastItems(self.source, targets, self.load)
+        return CastItems(self.source, targets, self.load, self.parts)
 
     def manifest(self, manifest: WeightUpdateManifest) -> WeightUpdateManifest:
         """``manifest`` as the engine receives it: cast tensors in their new dtype (digests of the cast bytes)."""
@@ -137,6 +164,14 @@ class _CastMapping(Mapping[str, torch.Tensor]):
 
     def __getitem__(self, name: str) -> torch.Tensor:
         return self._items[self._index[name]][1]
+
+    def splits(self, name: str) -> bool:
+        """Whether ``name`` may travel in parts (see :func:`hotweights.core.buckets.plan_buckets`)."""
+        return self._items.splits(self._index[name])
+
+    def rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        """Rows ``[start, stop)`` of ``name`` (:func:`hotweights.core.buckets.rows_of`)."""
+        return self._items.rows(self._index[name], start, stop)
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._index)

@@ -134,6 +134,54 @@ def _gather(tensor: Any, dst: int, group: Any, index: int = -1, *, leads: bool) 
     return _Posted(index, buffer[: tensor.shape[0]], work, local)  # torch.chunk fills the first ranks first
 
 
+def _shares(tensor: Any, start: int, stop: int, group: Any) -> list[tuple[int, int, int]]:
+    """Who holds rows ``[start, stop)`` of a dim-0 shard: (group rank, first row, end row), global rows."""
+    chunk = _rows_per_rank(tensor, group)
+    assert chunk is not None
+    world = dist.get_world_size(group)
+    spans = [(r, max(start, r * chunk), min(stop, (r + 1) * chunk, tensor.shape[0])) for r in range(world)]
+    return [(r, lo, hi) for r, lo, hi in spans if lo < hi]
+
+
+def _send_rows(tensor: Any, start: int, stop: int, dst: int, group: Any) -> None:
+    """A non-leading rank's share of rows ``[start, stop)``, sent to the leader (nothing when it holds none)."""
+    me = dist.get_rank(group)
+    chunk = _rows_per_rank(tensor, group)
+    assert chunk is not None
+    for r, lo, hi in _shares(tensor, start, stop, group):
+        if r == me:
+            dist.send(tensor.to_local()[lo - r * chunk : hi - r * chunk].contiguous(), dst=dst, group=group)
+
+
+def _gather_rows(tensor: Any, start: int, stop: int, group: Any, index: int) -> _Posted:
+    """Start gathering rows ``[start, stop)`` of a dim-0 shard on the leader (this rank): each rank's share is
+    received into its place, so the leader holds that part and nothing more."""
+    me = dist.get_rank(group)
+    chunk = _rows_per_rank(tensor, group)
+    assert chunk is not None
+    local = tensor.to_local()
+    out = torch.empty((stop - start, *tensor.shape[1:]), dtype=tensor.dtype, device=local.device)
+    works = []
+    for r, lo, hi in _shares(tensor, start, stop, group):
+        if r == me:
+            out[lo - start : hi - start].copy_(local[lo - r * chunk : hi - r * chunk])
+        else:
+            src = dist.get_global_rank(group, r) if group is not None else r
+            works.append(dist.irecv(out[lo - start : hi - start], src=src, group=group))
+    return _Posted(index, out, _Works(works), None)
+
+
+class _Works:
+    """Several receives, waited for together."""
+
+    def __init__(self, works: list[Any]) -> None:
+        self.works = works
+
+    def wait(self) -> None:
+        for work in self.works:
+            work.wait()
+
+
 def _gather_cut(local: torch.Tensor, dim: int, shape: tuple[int, ...], dst: int, group: Any, index: int) -> _Posted:
     """Start gathering equal per-rank chunks of a tensor cut along ``dim`` (a tensor-parallel shard, the last
     chunk padded) on the leader: the chunks side by side along ``dim``, the padding cut off."""
@@ -236,6 +284,8 @@ class Gatherer:
         self._sharded = sorted(self._index.values())
         self._held: tuple[int, torch.Tensor] | None = None
         self._ahead: _Posted | None = None
+        self._ahead_rows: tuple[int, int] | None = None  # the part ``_ahead`` holds (None: a whole tensor)
+        self._split: set[int] = set()  # tensors read in parts
         self._lock = threading.Lock()
         self.gathers = 0
         """How many gathers were started (one per tensor when the install reads them in order)."""
@@ -285,7 +335,7 @@ class Gatherer:
         manifest = WeightUpdateManifest.from_specs(
             specs, weight_version=weight_version, update_id=update_id, layout=layout, metadata=metadata
         )
-        return CastItems(items, {}, self.load), manifest
+        return CastItems(items, {}, self.load, self), manifest
 
     def placeholders(self) -> list[tuple[str, torch.Tensor]]:
         """``(name, tensor)`` with every ``DTensor`` as a ``meta`` tensor of its global shape and dtype."""
@@ -339,11 +389,55 @@ class Gatherer:
             return full
         return full.as_strided(tensor.size(), tensor.stride(), tensor.storage_offset())
 
+    def splits(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` (a placeholder, not a view of one) is a dim-0 shard whose rows can be gathered alone:
+        then a tensor larger than a bucket travels in parts and the leader never holds it whole."""
+        index = self._source(tensor) if tensor.is_meta and tensor._base is None else None
+        if index is None or index in self._cuts:
+            return False
+        if _rows_per_rank(self._sources[index][1], self._group) is None:
+            return False
+        self._split.add(index)
+        return True
+
+    def load_rows(self, tensor: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+        """Rows ``[start, stop)`` of a placeholder's tensor, gathered alone (the next part is posted meanwhile)."""
+        index = self._source(tensor)
+        assert index is not None
+        with self._lock:
+            self._held = None
+            ahead, self._ahead = self._ahead, None
+            rows, self._ahead_rows = self._ahead_rows, None
+            if ahead is not None:
+                part = ahead.result()  # a posted gather must finish on every rank, used or not
+                if not (ahead.source == index and rows == (start, stop)):
+                    part = self._post_rows(index, start, stop).result()
+            else:
+                part = self._post_rows(index, start, stop).result()
+            rows_total = int(self._sources[index][1].shape[0])
+            if stop < rows_total:  # the install reads the parts in order: the next one, as large
+                self._ahead, self._ahead_rows = (
+                    self._post_rows(index, stop, min(rows_total, 2 * stop - start)),
+                    (
+                        stop,
+                        min(rows_total, 2 * stop - start),
+                    ),
+                )
+            else:
+                self._post_next(index)
+        return part
+
+    def _post_rows(self, index: int, start: int, stop: int) -> _Posted:
+        self._command(index, start, stop)
+        self.gathers += 1
+        return _gather_rows(self._sources[index][1], start, stop, self._group, index)
+
     def _take(self, index: int) -> torch.Tensor:
         ahead, self._ahead = self._ahead, None
+        rows, self._ahead_rows = self._ahead_rows, None
         if ahead is not None:
             full = ahead.result()  # a posted gather must finish on every rank, used or not
-            if ahead.source == index:
+            if ahead.source == index and rows is None:
                 return full
         return self._post(index).result()
 
@@ -358,19 +452,23 @@ class Gatherer:
         assert posted is not None
         return posted
 
-    def _command(self, value: int) -> None:
-        dist.broadcast(torch.tensor([value], dtype=torch.int64, device=self._device), src=self._src, group=self._group)
+    def _command(self, value: int, start: int = -1, stop: int = -1) -> None:
+        """Tell every rank what comes next: a tensor's index (with rows ``[start, stop)`` for a part), or
+        :data:`_END`."""
+        command = torch.tensor([value, start, stop], dtype=torch.int64, device=self._device)
+        dist.broadcast(command, src=self._src, group=self._group)
 
     def _post_next(self, index: int) -> None:
         """Start the gather of the sharded tensor after ``index`` (the order an install reads them in)."""
         at = bisect.bisect_right(self._sharded, index)
-        if at < len(self._sharded):
+        if at < len(self._sharded) and self._sharded[at] not in self._split:  # a split one is read in parts
             self._ahead = self._post(self._sharded[at])
 
     def finish(self, outcome: InstallReport | BaseException) -> None:
         """Tell every rank the install ended, and how (the report, or the error's envelope)."""
         self._held = None
         ahead, self._ahead = self._ahead, None
+        self._ahead_rows = None
         if ahead is not None:
             ahead.result()
         payload = (
@@ -395,20 +493,22 @@ def follow(items: Items, leader: int, group: Any = None) -> InstallReport:
     cls = _dtensor()
     src = dist.get_global_rank(group, leader) if group is not None else leader
     device = _device(group)
-    cmd = torch.empty(1, dtype=torch.int64, device=device)
+    cmd = torch.empty(3, dtype=torch.int64, device=device)
     try:
         while True:
             dist.broadcast(cmd, src=src, group=group)
-            index = int(cmd.item())
+            index, start, stop = (int(v) for v in cmd.tolist())
             if index == _END:
                 break
             source = sources[index][1]  # this rank's part; the leader keeps the tensor
-            if cls is not None and isinstance(source, cls):
+            if start >= 0:  # rows [start, stop) of a dim-0 shard: this rank's share of them
+                _send_rows(source, start, stop, src, group)
+            elif cls is not None and isinstance(source, cls):
                 _gather(source, src, group, leads=False)
             else:  # a tensor-parallel chunk
                 dist.gather(source.contiguous(), None, dst=src, group=group)
         dist.broadcast(cmd, src=src, group=group)
-        data = torch.empty(int(cmd.item()), dtype=torch.uint8, device=device)
+        data = torch.empty(int(cmd[0].item()), dtype=torch.uint8, device=device)
         dist.broadcast(data, src=src, group=group)
     except Exception as exc:
         raise InstallError(

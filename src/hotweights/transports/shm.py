@@ -288,7 +288,7 @@ def _fill(fd: int, size: int, bucket: Bucket, tensors: Mapping[str, torch.Tensor
         return
     with mmap.mmap(fd, size) as mm:  # a GPU or non-contiguous tensor: copied into a mapping of the file
         buffer = torch.frombuffer(mm, dtype=torch.uint8)
-        pack_into(buffer, bucket, dict(tensors))
+        pack_into(buffer, bucket, tensors)
         del buffer
 
 
@@ -491,7 +491,7 @@ class Transport(WeightTransport):
         if seg is None:
             seg = self._kept[slot] = self._create(size)
         buffer = torch.frombuffer(seg.mm, dtype=torch.uint8, count=size)
-        pack_into(buffer, bucket, dict(tensors))
+        pack_into(buffer, bucket, tensors)
         del buffer
         try:
             stage({"transport": self.name, "path": str(seg.path), "nbytes": bucket.nbytes, "segment": seg.id})

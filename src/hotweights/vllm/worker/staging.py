@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import pydantic
 import torch
 
-from hotweights.core.buckets import Bucket, bucket_problems, unpack
+from hotweights.core.buckets import Bucket, bucket_problems, unpack, unpack_parts
 from hotweights.core.manifest import WeightUpdateManifest
 from hotweights.transports import engine_side
 from hotweights.vllm.expected import check_manifest
@@ -50,6 +50,8 @@ class InstallSession:
     by_reference: Any = None
     """The caller's own tensors (an in-process install hands them over by reference: nothing was copied)."""
     received: set[str] = field(default_factory=set)
+    partial: dict[str, tuple[torch.Tensor, list[tuple[int, int]]]] = field(default_factory=dict)
+    """Tensors arriving in parts (rows of their first dimension): the tensor being assembled, the rows in it."""
     keepalive: list[Any] = field(default_factory=list)
     nbytes: int = 0
     digests_verified: int = 0
@@ -111,6 +113,11 @@ class StagingArea:
         # Bound everything by the manifest before the transport allocates or reads a byte.
         problems = bucket_problems(bucket, session.manifest, nbytes)
         problems += [f"{e.name!r} was already staged" for e in bucket.entries if e.name in session.received]
+        problems += [
+            f"{e.name!r} rows {e.rows} were already staged"
+            for e in bucket.entries
+            if e.rows is not None and e.name in session.partial and _overlaps(e.rows, session.partial[e.name][1])
+        ]
         if problems:
             raise ValueError(f"bucket {bucket.index} refused before receiving: " + "; ".join(problems))
         try:
@@ -123,6 +130,7 @@ class StagingArea:
             name = descriptor.get("transport")
             raise ValueError(f"malformed {name!r} descriptor: {type(exc).__name__}: {exc}") from None
         tensors = dict(unpack(buffer, bucket, session.manifest, checked=True))
+        tensors.update(_assemble(session, unpack_parts(buffer, bucket, session.manifest)))
         bad = session.manifest.digest_mismatches(tensors)
         if bad:
             raise ValueError(
@@ -189,6 +197,27 @@ class StagingArea:
         if session.stream is not None:
             session.stream.abort()
         return True
+
+
+def _overlaps(rows: tuple[int, int], staged: list[tuple[int, int]]) -> bool:
+    return any(rows[0] < stop and start < rows[1] for start, stop in staged)
+
+
+def _assemble(session: InstallSession, parts: Any) -> dict[str, torch.Tensor]:
+    """Copy each part into its tensor (allocated at its first part, as the manifest describes it); the tensors
+    whose every row has now arrived, ready to be checked and staged like a whole one."""
+    done: dict[str, torch.Tensor] = {}
+    for name, rows, view in parts:
+        if name not in session.partial:
+            spec = session.manifest.tensors[name]
+            session.partial[name] = (torch.empty(spec.shape, dtype=spec.torch_dtype, device=view.device), [])
+        tensor, staged = session.partial[name]
+        tensor[rows[0] : rows[1]].copy_(view)
+        staged.append(rows)
+        if sum(stop - start for start, stop in staged) == tensor.shape[0]:  # no overlaps: checked before
+            done[name] = tensor
+            del session.partial[name]
+    return done
 
 
 def _refuse_incomplete(session: InstallSession) -> None:
