@@ -403,3 +403,11 @@ class TestParts:
             stage(bad)
         with pytest.raises(ValueError, match="incomplete"):
             staging.take(m.update_id)
+
+    def test_a_whole_entry_is_written_as_before_parts(self) -> None:
+        """An engine running the previous hotweights (its entries forbid unknown keys) reads every bucket without
+        parts."""
+        _, m = self.manifest()
+        for bucket in plan_buckets(m, bucket_bytes=96):
+            assert '"rows"' not in bucket.model_dump_json()
+            assert Bucket.model_validate_json(bucket.model_dump_json()) == bucket

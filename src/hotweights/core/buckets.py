@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
 
 from hotweights.core.manifest import WeightUpdateManifest
 
@@ -46,6 +47,15 @@ class BucketEntry(BaseModel):
     nbytes: int = Field(ge=0)
     rows: tuple[int, int] | None = None
     """A part of a tensor larger than a bucket (:func:`plan_buckets` with ``split``): its rows ``[start, stop)``."""
+
+    @model_serializer(mode="wrap")
+    def _without_whole_rows(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        """A whole tensor's entry is written as before parts existed (an engine running an older hotweights
+        reads it)."""
+        data: dict[str, Any] = handler(self)
+        if self.rows is None:
+            data.pop("rows", None)
+        return data
 
 
 class Bucket(BaseModel):
