@@ -208,10 +208,8 @@ def byte_views(bucket: Bucket, tensors: Mapping[str, torch.Tensor]) -> list[memo
     a contiguous CPU tensor (then :func:`pack_into` copies it, from any device)."""
     views: list[memoryview] = []
     used = 0
-    if any(e.rows is not None for e in bucket.entries):
-        return None  # parts are read (and copied) by pack_into
     for e in bucket.entries:
-        src = tensors[e.name]
+        src = tensors[e.name] if e.rows is None else rows_of(tensors, e.name, *e.rows)
         if src.device.type != "cpu" or not src.is_contiguous() or src.nbytes != e.nbytes:
             return None
         if e.offset > used:

@@ -286,6 +286,7 @@ class Gatherer:
         self._ahead: _Posted | None = None
         self._ahead_rows: tuple[int, int] | None = None  # the part ``_ahead`` holds (None: a whole tensor)
         self._split: set[int] = set()  # tensors read in parts
+        self._held_part: tuple[int, int, int, torch.Tensor] | None = None  # the part read last
         self._lock = threading.Lock()
         self.gathers = 0
         """How many gathers were started (one per tensor when the install reads them in order)."""
@@ -381,7 +382,7 @@ class Gatherer:
             return tensor
         with self._lock:
             if self._held is None or self._held[0] != index:
-                self._held = None  # drop the previous one before taking the next
+                self._held = self._held_part = None  # drop the previous one before taking the next
                 self._held = (index, self._take(index))
                 self._post_next(index)
             full = self._held[1]
@@ -405,7 +406,11 @@ class Gatherer:
         index = self._source(tensor)
         assert index is not None
         with self._lock:
-            self._held = None
+            held = self._held_part
+            if held is not None and held[:3] == (index, start, stop):  # read again (a second way of packing it)
+                return held[3]
+            del held
+            self._held = self._held_part = None  # dropped before the next part is taken: two parts at most
             ahead, self._ahead = self._ahead, None
             rows, self._ahead_rows = self._ahead_rows, None
             if ahead is not None:
@@ -425,6 +430,7 @@ class Gatherer:
                 )
             else:
                 self._post_next(index)
+            self._held_part = (index, start, stop, part)
         return part
 
     def _post_rows(self, index: int, start: int, stop: int) -> _Posted:
@@ -466,7 +472,7 @@ class Gatherer:
 
     def finish(self, outcome: InstallReport | BaseException) -> None:
         """Tell every rank the install ended, and how (the report, or the error's envelope)."""
-        self._held = None
+        self._held = self._held_part = None
         ahead, self._ahead = self._ahead, None
         self._ahead_rows = None
         if ahead is not None:
