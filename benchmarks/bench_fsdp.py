@@ -3,8 +3,11 @@
 Two gloo processes hold the 150m model (Qwen2, fp32, 612 MB) with ``fully_shard`` on CPU; rank 0 also runs a
 multiprocess ``vllm.LLM`` with hotweights' worker extension. Measured, per rank, medians over ``--repeats``:
 
-- ``sharded``: ``hotweights.install(llm or None, model.state_dict(), ...)`` on both ranks; the install time, and the
-  peak resident memory above the level before the call (sampled every 2 ms);
+- ``sharded``: ``hotweights.install(llm or None, model.state_dict(), ...)`` on both ranks, the ranks writing their own
+  rows (rank writes, the default on one host); the install time, and the peak resident memory above the level
+  before the call (sampled every 2 ms);
+- ``sharded-gather``: the same with ``HOTWEIGHTS_RANK_WRITES=0``: the leader gathers every tensor (in parts where
+  larger than a bucket);
 - ``gather-then-send``: every rank gathers the full state dict (``full_tensor()``), then rank 0 installs it: the
   gather time, the install time, and the same peak (the full copy counts: it is what that way costs).
 
@@ -90,16 +93,26 @@ def rank_main(args: argparse.Namespace) -> None:
     fully_shard(model, mesh=mesh)
     version = 1
     hotweights.install(llm, model.state_dict(), weight_version=version)  # warm-up: segments, plans
-    rows: dict[str, list[float]] = {"sharded_s": [], "sharded_peak": [], "gather_s": [], "full_s": [], "full_peak": []}
+    rows: dict[str, list[float]] = {
+        "sharded_s": [],
+        "sharded_peak": [],
+        "gathered_s": [],
+        "gathered_peak": [],
+        "gather_s": [],
+        "full_s": [],
+        "full_peak": [],
+    }
     report = None
     for _ in range(args.repeats):
-        version += 1
-        dist.barrier()
-        report, seconds, peak = _peak_extra(
-            lambda v=version: hotweights.install(llm, model.state_dict(), weight_version=v)
-        )
-        rows["sharded_s"].append(seconds)
-        rows["sharded_peak"].append(peak)
+        for mode, writes in (("sharded", "1"), ("gathered", "0")):
+            os.environ["HOTWEIGHTS_RANK_WRITES"] = writes
+            version += 1
+            dist.barrier()
+            report, seconds, peak = _peak_extra(
+                lambda v=version: hotweights.install(llm, model.state_dict(), weight_version=v)
+            )
+            rows[f"{mode}_s"].append(seconds)
+            rows[f"{mode}_peak"].append(peak)
 
         version += 1
         dist.barrier()
@@ -165,15 +178,20 @@ def main() -> None:
         print(json.dumps(r))
     lead = next(r for r in results if r["rank"] == 0)
     print(f"\nmodel {lead['model_bytes'] * mb:.0f} MiB, bucket {lead['bucket_bytes'] * mb:.0f} MiB ({lead['adapter']})")
-    print("rank | sharded install s | peak extra MiB | gather s | install of full s | gather-then-send peak MiB")
+    print(
+        "rank | rank writes s | peak MiB | leader gathers s | peak MiB | gather s | install of full s "
+        "| gather-then-send peak MiB"
+    )
     for r in sorted(results, key=lambda r: r["rank"]):
         print(
-            f"{r['rank']:>4} | {r['sharded_s']:>17.3f} | {r['sharded_peak'] * mb:>14.0f} | {r['gather_s']:>8.3f} | "
-            f"{r['full_s']:>16.3f} | {r['full_peak'] * mb:>25.0f}"
+            f"{r['rank']:>4} | {r['sharded_s']:>12.3f} | {r['sharded_peak'] * mb:>8.0f} | {r['gathered_s']:>16.3f} | "
+            f"{r['gathered_peak'] * mb:>8.0f} | {r['gather_s']:>8.3f} | {r['full_s']:>17.3f} | "
+            f"{r['full_peak'] * mb:>25.0f}"
         )
-    ratio = lead["sharded_s"] / (lead["gather_s"] + lead["full_s"])
-    print(f"sharded / gather-then-send time: {ratio:.2f}x; sharded / install of full tensors: "
-          f"{lead['sharded_s'] / lead['full_s']:.2f}x")  # fmt: skip
+    then = lead["gather_s"] + lead["full_s"]
+    for mode in ("sharded", "gathered"):
+        print(f"{mode}: / gather-then-send {lead[f'{mode}_s'] / then:.2f}x, / install of full tensors "
+              f"{lead[f'{mode}_s'] / lead['full_s']:.2f}x")  # fmt: skip
 
 
 if __name__ == "__main__":

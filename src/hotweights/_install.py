@@ -19,9 +19,10 @@ from hotweights.core.families import Unproven
 from hotweights.core.layout import WeightLayout
 from hotweights.core.manifest import MetadataValue, TensorsLike, WeightUpdateManifest, _as_items
 from hotweights.core.report import InstallReport
-from hotweights.core.sharded import agree, follow, gathering, is_sharded
+from hotweights.core.sharded import agree, follow, gathering, is_sharded, same_host
 from hotweights.core.sources import LocalTensors, TensorSource
 from hotweights.handles import PauseMode, as_engine
+from hotweights.transports import make_transport
 from hotweights.vllm import compat
 
 if TYPE_CHECKING:
@@ -212,9 +213,13 @@ def _run(
     if collective:
         tp = (layout.tp_rank, layout.tp_size) if layout is not None and chunks else None
         leader = agree(items, weight_version, engine is not None, group, tp)
+        local = same_host(group)  # then each rank can write its own rows for the engine (rank writes)
         if engine is None:
-            return follow(items, leader, group)
-        source = gathering(items, leader, group, tp_size=tp[1] if tp is not None else None)
+            if not local:
+                return follow(items, leader, group)
+            with make_transport("shm") as shm:
+                return follow(items, leader, group, write=shm.send)
+        source = gathering(items, leader, group, tp_size=tp[1] if tp is not None else None, same_host=local)
         layout = None if chunks else layout  # the engine receives whole tensors
     try:
         handle = as_engine(engine)

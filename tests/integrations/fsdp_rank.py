@@ -70,9 +70,17 @@ def _counting_gathers(stats: dict[str, int]) -> None:
             stats["parts_peak"] = max(stats["parts_peak"], sum(t.nbytes for t in parts))
         return posted
 
+    original_write = sharded.write_for_leader
+
+    def write_for_leader(*args: Any, **kwargs: Any) -> None:
+        if stats.get("on"):  # this rank writes a bucket of its own rows for the engine
+            stats["written"] += 1
+        original_write(*args, **kwargs)
+
     dist.gather = gather
     DTensor.full_tensor = full_tensor  # type: ignore[method-assign]
     sharded._gather_rows = gather_rows  # type: ignore[assignment]
+    sharded.write_for_leader = write_for_leader  # type: ignore[assignment]
 
 
 #: How a Megatron-style trainer cuts a Qwen2's checkpoint tensors: column-parallel on dim 0, row-parallel on dim 1
@@ -188,12 +196,14 @@ def main() -> None:
         optimizer.step()
         optimizer.zero_grad()
 
-        stats.update(on=1, gathers=0, peak=0, parts=0, parts_peak=0, split=set())
+        stats.update(on=1, gathers=0, peak=0, parts=0, parts_peak=0, split=set(), written=0)
+        # Step 1: the ranks write their own rows (one host); step 2 on: the leader gathers them, in parts.
+        os.environ["HOTWEIGHTS_RANK_WRITES"] = "1" if step == 1 else "0"
         report = hotweights.install(llm, model.state_dict(), weight_version=step, **options)
         stats["on"] = 0
         entry: dict[str, Any] = {"report": report.model_dump(mode="json"), "gathers": stats["gathers"]}
         entry.update(peak=stats["peak"], parts=stats["parts"], parts_peak=stats["parts_peak"])
-        entry.update(split=len(stats["split"]), bucket_bytes=args.bucket_bytes)
+        entry.update(split=len(stats["split"]), bucket_bytes=args.bucket_bytes, written=stats["written"])
         entry["dtensors"] = sum(1 for v in model.state_dict().values() if hasattr(v, "full_tensor"))
         full = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in model.state_dict().items()}
         if rank == 0:

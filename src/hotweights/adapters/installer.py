@@ -11,6 +11,7 @@ a transport (:mod:`hotweights.transports`: how the bytes travel; ``reference`` f
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from collections.abc import Callable, Iterable
@@ -230,7 +231,13 @@ class Installer(VLLMEngineAdapter):
         member = timer.member  # inside a fleet: stop between staged and written (see core.two_phase)
         size = member.bucket_bytes if member and self.bucket_size else self.bucket_size
         split = getattr(tensors, "splits", None)  # a sharded state dict: tensors over a bucket travel in parts
-        plan = plan_buckets(sent, size or sys.maxsize, whole_layers=streaming, split=split) if sent is not None else []
+        ranks = self._rank_writes(tensors, options, member)
+        if ranks is not None and sent is not None:  # every rank writes its own rows
+            plan = ranks.plan(sent, size or default_bucket_bytes(self.transport.preferred_bucket_bytes))
+        elif sent is not None:
+            plan = plan_buckets(sent, size or sys.maxsize, whole_layers=streaming, split=split)
+        else:
+            plan = []
         update_id = sent.update_id if sent is not None else _delta_id(options)
         lent = self._delta.base if options.delta is not None and self.transport.by_reference else None
         try:
@@ -240,7 +247,7 @@ class Installer(VLLMEngineAdapter):
                 with timer("begin"):  # the workers check the manifest and plan the method: refused before any byte
                     self.wire.begin(options, sent, lent)  # a refusal (a delta's base the workers lack too): typed
                 if sent is not None:
-                    self._send(sent, tensors, plan, timer, streaming)
+                    self._send(sent, tensors, plan, timer, streaming, ranks)
                 with timer("prepare"):  # every worker (of every replica) ready first, nothing written
                     found = [p for worker in self.wire.prepare(update_id) for p in worker]
                 if found:
@@ -260,18 +267,43 @@ class Installer(VLLMEngineAdapter):
         return self._summary(summaries, sent, timer)
 
     def _send(
-        self, sent: WeightUpdateManifest, tensors: Any, plan: list[Bucket], timer: InstallCall, streaming: bool
+        self,
+        sent: WeightUpdateManifest,
+        tensors: Any,
+        plan: list[Bucket],
+        timer: InstallCall,
+        streaming: bool,
+        ranks: Any = None,
     ) -> None:
-        """Every bucket of ``plan`` through the transport, each staged by every worker."""
+        """Every bucket of ``plan`` through the transport, each staged by every worker; with ``ranks``, the buckets
+        of other ranks' rows written by those ranks (:mod:`hotweights.core.rank_writes`)."""
+
+        def deliver(bucket: Bucket) -> Callable[[Descriptor], None]:
+            def stage(descriptor: Descriptor) -> None:
+                if streaming:
+                    self._begin_writing(timer)  # this bucket goes into the live model
+                self.wire.stage(sent.update_id, bucket.model_dump_json(), descriptor)
+
+            return stage
+
         with timer("transfer"), bucket_progress(plan, f"{self.label} v{sent.weight_version}") as buckets:
+            if ranks is not None:
+                ranks.transfer(list(buckets), deliver, lambda b: self.transport.send(b, tensors, deliver(b)))
+                return
             for bucket in buckets:
+                two_phase.share(timer.member, self.transport, bucket, tensors, deliver(bucket))
 
-                def deliver(descriptor: Descriptor, bucket: Bucket = bucket) -> None:
-                    if streaming:
-                        self._begin_writing(timer)  # this bucket goes into the live model
-                    self.wire.stage(sent.update_id, bucket.model_dump_json(), descriptor)
-
-                two_phase.share(timer.member, self.transport, bucket, tensors, deliver)
+    def _rank_writes(self, tensors: Any, options: SessionOptions, member: Any) -> Any:
+        """The leader's side of rank-parallel writes, where they apply: a sharded state dict whose ranks share this
+        host, the shm transport writing a fresh file per bucket, one engine (not a fleet), an atomic full install;
+        ``HOTWEIGHTS_RANK_WRITES=0`` turns them off (the leader gathers every tensor)."""
+        if os.environ.get("HOTWEIGHTS_RANK_WRITES", "1").strip() == "0":
+            return None
+        make = getattr(tensors, "rank_writes", None)
+        shm = self.transport.name == "shm" and not getattr(self.transport, "keep_segments", False)
+        if not callable(make) or not shm or member is not None or options.commit != "atomic" or options.delta:
+            return None
+        return make()
 
     def _one_call(
         self,

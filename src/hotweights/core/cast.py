@@ -10,7 +10,7 @@ difference stays a refusal that names this opt-in.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Literal, Protocol, overload
+from typing import Any, Literal, Protocol, overload
 
 import torch
 
@@ -172,6 +172,12 @@ class _CastMapping(Mapping[str, torch.Tensor]):
     def rows(self, name: str, start: int, stop: int) -> torch.Tensor:
         """Rows ``[start, stop)`` of ``name`` (:func:`hotweights.core.buckets.rows_of`)."""
         return self._items.rows(self._index[name], start, stop)
+
+    def rank_writes(self) -> Any:
+        """Where every rank of a sharded install can write its own rows (:mod:`hotweights.core.rank_writes`): the
+        leader's side of it; None otherwise, and when tensors are cast (the ranks write what they hold)."""
+        make = getattr(self._items.parts, "rank_writes", None)
+        return make() if callable(make) and not self._items.targets else None
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._index)

@@ -45,10 +45,11 @@ from hotweights.core.errors import (
     WeightManifestValidationError,
 )
 from hotweights.core.manifest import ExpectedWeights, MetadataValue, TensorSpec, WeightUpdateManifest
+from hotweights.core.rank_writes import WRITE, Write, write_for_leader
 from hotweights.core.report import InstallReport
 from hotweights.core.sources import TensorSource, checkpoint_names
 
-__all__ = ["Gatherer", "agree", "follow", "gathering", "is_sharded"]
+__all__ = ["Gatherer", "agree", "follow", "gathering", "is_sharded", "same_host"]
 
 Items = Sequence[tuple[str, torch.Tensor]]
 
@@ -256,17 +257,40 @@ def agree(items: Items, weight_version: int, leads: bool, group: Any = None, tp:
     return leaders[0]
 
 
-def gathering(items: Items, leader: int, group: Any = None, tp_size: int | None = None) -> TensorSource:
+def gathering(
+    items: Items, leader: int, group: Any = None, tp_size: int | None = None, *, same_host: bool = False
+) -> TensorSource:
     """The leader's source of a sharded install (:class:`Gatherer`): ``items`` as placeholders, each tensor
-    gathered from every rank when the install reads it."""
-    return Gatherer(items, leader, group, tp_size)
+    gathered from every rank when the install reads it (or written by the rank holding it: ``same_host``)."""
+    return Gatherer(items, leader, group, tp_size, same_host=same_host)
+
+
+def same_host(group: Any = None) -> bool:
+    """Whether every rank of ``group`` runs on this host (same host name and boot): a collective, on every rank."""
+    import socket
+
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    digest = hashlib.sha256(f"{socket.gethostname()}/{boot}".encode()).digest()[:16]
+    mine = torch.tensor(list(digest), dtype=torch.uint8, device=_device(group))
+    rows = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(rows, mine, group=group)
+    return bool(boot) and all(torch.equal(r, mine) for r in rows)
 
 
 class Gatherer:
     """The leader's side: placeholders to validate and plan with, and the gather of each tensor when it is read."""
 
-    def __init__(self, items: Items, leader: int, group: Any = None, tp_size: int | None = None) -> None:
+    def __init__(
+        self, items: Items, leader: int, group: Any = None, tp_size: int | None = None, *, same_host: bool = False
+    ) -> None:
         cls = _dtensor()
+        self.same_host = same_host
+        """Every rank runs on this host (:func:`same_host`): the ranks can write their own rows (rank writes)."""
+        self._items: CastItems | None = None
         self._tp_size = tp_size
         self._sources = list(items)
         self._group = group
@@ -336,7 +360,8 @@ class Gatherer:
         manifest = WeightUpdateManifest.from_specs(
             specs, weight_version=weight_version, update_id=update_id, layout=layout, metadata=metadata
         )
-        return CastItems(items, {}, self.load, self), manifest
+        self._items = CastItems(items, {}, self.load, self)
+        return self._items, manifest
 
     def placeholders(self) -> list[tuple[str, torch.Tensor]]:
         """``(name, tensor)`` with every ``DTensor`` as a ``meta`` tensor of its global shape and dtype."""
@@ -401,10 +426,38 @@ class Gatherer:
         self._split.add(index)
         return True
 
-    def load_rows(self, tensor: torch.Tensor, start: int, stop: int) -> torch.Tensor:
-        """Rows ``[start, stop)`` of a placeholder's tensor, gathered alone (the next part is posted meanwhile)."""
+    def shares_of(self, tensor: torch.Tensor) -> tuple[int, list[tuple[int, int, int]]] | None:
+        """For a placeholder of a dim-0 shard (:meth:`splits`): its index and who holds which rows (group rank,
+        first row, end row); None for any other tensor."""
+        if not self.splits(tensor):
+            return None
         index = self._source(tensor)
         assert index is not None
+        source = self._sources[index][1]
+        return index, _shares(source, 0, int(source.shape[0]), self._group)
+
+    def rank_writes(self) -> Any:
+        """The leader's side of rank-parallel writes (:mod:`hotweights.core.rank_writes`), where every rank runs on
+        this host and the group has more than one rank; else None (every tensor is gathered)."""
+        from hotweights.core.rank_writes import RankWrites
+
+        if not self.same_host or self._items is None or dist.get_world_size(self._group) < 2:
+            return None
+        return RankWrites(self, dict(self._items.source))
+
+    def load_rows(self, tensor: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+        """Rows ``[start, stop)`` of a placeholder's tensor, gathered alone (the next part is posted meanwhile);
+        rows this rank holds itself are a view of its shard (nothing is gathered, or posted)."""
+        index = self._source(tensor)
+        assert index is not None
+        source: Any = self._sources[index][1]
+        me = dist.get_rank(self._group)
+        shares = _shares(source, start, stop, self._group)
+        if [r for r, _, _ in shares] == [me]:
+            chunk = _rows_per_rank(source, self._group)
+            assert chunk is not None
+            own: torch.Tensor = source.to_local()[start - me * chunk : stop - me * chunk]
+            return own
         with self._lock:
             held = self._held_part
             if held is not None and held[:3] == (index, start, stop):  # read again (a second way of packing it)
@@ -488,7 +541,7 @@ class Gatherer:
         dist.broadcast(data, src=self._src, group=self._group)
 
 
-def follow(items: Items, leader: int, group: Any = None) -> InstallReport:
+def follow(items: Items, leader: int, group: Any = None, write: Write | None = None) -> InstallReport:
     """A non-leading rank's side: join each gather the leader names, then return its report or raise its error.
 
     Raises:
@@ -506,6 +559,12 @@ def follow(items: Items, leader: int, group: Any = None) -> InstallReport:
             index, start, stop = (int(v) for v in cmd.tolist())
             if index == _END:
                 break
+            if index == WRITE:  # rank `start` writes the bucket described by the next `stop` bytes
+                payload = torch.empty(stop, dtype=torch.uint8, device=device)
+                dist.broadcast(payload, src=src, group=group)
+                if start == dist.get_rank(group):
+                    write_for_leader(payload.cpu().numpy().tobytes(), sources, leader, group, write)
+                continue
             source = sources[index][1]  # this rank's part; the leader keeps the tensor
             if start >= 0:  # rows [start, stop) of a dim-0 shard: this rank's share of them
                 _send_rows(source, start, stop, src, group)

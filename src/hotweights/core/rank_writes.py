@@ -1,0 +1,246 @@
+"""Rank-parallel writes of a sharded install: every rank writes its own rows, nobody gathers them.
+
+On one host, the engine's workers can read any rank's shared-memory files. So a rank can write the rows of an
+FSDP2 (``Shard(0)``) tensor it holds into a bucket file of its own. The leader (the rank holding the engine) stages
+that bucket like its own, from the descriptor the rank sends back. Only descriptors (JSON) and acknowledgements
+cross the process group; the bytes go from each rank's memory to the engine.
+
+The leader's plan (:meth:`RankWrites.plan`) cuts every such tensor at the ranks' boundaries (and at the bucket
+size) and gives each rank buckets of its own rows. Tensors in any other layout are gathered as before, first.
+:meth:`RankWrites.transfer` then interleaves: while the leader writes and stages a bucket of its own rows, another
+rank writes its next bucket. Protocol, per bucket of rank ``r``:
+
+1. the leader broadcasts ``(WRITE, r, n)`` and the ``n``-byte payload ``{"bucket": ..., "sources": {name: index}}``;
+2. rank ``r`` writes the bucket (the ``write`` it was given: :func:`hotweights._install` passes the shm transport)
+   and sends the descriptor (or ``{"error": ...}``) to the leader;
+3. the leader stages it on the engine and acknowledges (0: staged; 1: failed, the rank drops its file).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from hotweights.core.buckets import Bucket, BucketEntry, _align
+from hotweights.core.errors import InstallError
+from hotweights.core.manifest import WeightUpdateManifest
+
+if TYPE_CHECKING:
+    from hotweights.core.sharded import Gatherer
+
+__all__ = ["WRITE", "RankWrites", "Write", "write_for_leader"]
+
+#: The leader's command: a rank writes a bucket of its own rows.
+WRITE = -2
+#: How a rank writes one bucket: ``write(bucket, tensors, stage)`` (a transport's ``send``).
+Write = Callable[[Bucket, Mapping[str, torch.Tensor], Callable[[dict[str, Any]], None]], None]
+_GATHERED = -1  # the owner key of tensors gathered to the leader
+
+
+class RankWrites:
+    """The leader's side (made by :meth:`Gatherer.rank_writes`)."""
+
+    def __init__(self, gatherer: Gatherer, items: Mapping[str, torch.Tensor]) -> None:
+        self.gatherer = gatherer
+        self.items = items  # checkpoint name -> placeholder
+        self.me = dist.get_rank(gatherer._group)
+        self.owner: dict[int, int] = {}  # bucket index -> group rank writing it (_GATHERED: the leader gathers)
+        self.sources: dict[str, int] = {}  # checkpoint name -> index of its tensor in every rank's items
+        self.buckets = 0
+        """Buckets other ranks wrote in the last transfer."""
+
+    def plan(self, manifest: WeightUpdateManifest, bucket_bytes: int) -> list[Bucket]:
+        """Buckets of one writer each: gathered tensors first, then each rank's rows (cut at ``bucket_bytes``)."""
+        groups: dict[int, list[tuple[str, tuple[int, int] | None, int]]] = {}
+        for name, spec in manifest.tensors.items():
+            shares = self.gatherer.shares_of(self.items[name])
+            if shares is None:
+                groups.setdefault(_GATHERED, []).append((name, None, spec.expected_nbytes))
+                continue
+            self.sources[name] = shares[0]
+            row = spec.expected_nbytes // spec.shape[0]
+            step = max(1, bucket_bytes // row) if row else spec.shape[0]
+            for rank, lo, hi in shares[1]:
+                for a in range(lo, hi, step):
+                    b = min(a + step, hi)
+                    groups.setdefault(rank, []).append((name, (a, b), (b - a) * row))
+        plan: list[Bucket] = []
+        for rank in sorted(groups, key=lambda r: (r != _GATHERED, r)):
+            for bucket in _pack(groups[rank], bucket_bytes, len(plan)):
+                self.owner[bucket.index] = rank
+                plan.append(bucket)
+        return plan
+
+    def transfer(
+        self,
+        plan: list[Bucket],
+        deliver: Callable[[Bucket], Callable[[dict[str, Any]], None]],
+        local: Callable[[Bucket], None],
+    ) -> None:
+        """Every bucket of ``plan`` staged: gathered ones first (they need every rank), then the leader's own rows,
+        each while another rank writes its next bucket. ``local(bucket)`` sends one through the leader's
+        transport; ``deliver(bucket)`` is what stages a descriptor."""
+        self.buckets = 0
+        for bucket in plan:
+            if self.owner[bucket.index] == _GATHERED:
+                local(bucket)
+        own = [b for b in plan if self.owner[b.index] == self.me]
+        remote: Iterator[Bucket] = iter(b for b in plan if self.owner[b.index] not in (_GATHERED, self.me))
+        outstanding = self._post(next(remote, None))
+        try:
+            for bucket in own:
+                local(bucket)  # the other rank writes meanwhile
+                if outstanding is not None:
+                    self._stage(outstanding, deliver(outstanding))
+                    outstanding = self._post(next(remote, None))
+            while outstanding is not None:
+                self._stage(outstanding, deliver(outstanding))
+                outstanding = self._post(next(remote, None))
+        except BaseException:
+            if outstanding is not None:  # the rank writing it waits for an answer: end its write
+                self._settle(outstanding)
+            raise
+
+    def _post(self, bucket: Bucket | None) -> Bucket | None:
+        if bucket is None:
+            return None
+        names = {e.name for e in bucket.entries}
+        payload = json.dumps(
+            {"bucket": bucket.model_dump_json(), "sources": {n: self.sources[n] for n in names}}
+        ).encode()
+        g = self.gatherer
+        g._command(WRITE, self.owner[bucket.index], len(payload))
+        data = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(g._device)
+        dist.broadcast(data, src=g._src, group=g._group)
+        return bucket
+
+    def _stage(self, bucket: Bucket, stage: Callable[[dict[str, Any]], None]) -> None:
+        rank = self.owner[bucket.index]
+        answer = _receive(rank, self.gatherer)
+        if "error" in answer:
+            raise InstallError(f"rank {rank} could not write bucket {bucket.index}: {answer['error']}")
+        try:
+            stage(answer)
+        except BaseException:
+            _send(_ack(1, self.gatherer._device), rank, self.gatherer)
+            raise
+        _send(_ack(0, self.gatherer._device), rank, self.gatherer)
+        self.buckets += 1
+
+    def _settle(self, bucket: Bucket) -> None:
+        """Answer a rank whose bucket will not be staged (the install failed meanwhile)."""
+        rank = self.owner[bucket.index]
+        try:
+            answer = _receive(rank, self.gatherer)
+            if "error" not in answer:
+                _send(_ack(1, self.gatherer._device), rank, self.gatherer)
+        except Exception:  # the group broke: the other ranks learn it from the next collective
+            pass
+
+
+def _pack(entries: list[tuple[str, tuple[int, int] | None, int]], limit: int, first: int) -> list[Bucket]:
+    """Greedy, order-preserving buckets of at most ``limit`` bytes (an entry larger gets one of its own)."""
+    buckets: list[Bucket] = []
+    current: list[BucketEntry] = []
+    used = 0
+    for name, rows, size in entries:
+        start = _align(used)
+        if current and start + size > limit:
+            buckets.append(Bucket(index=first + len(buckets), nbytes=used, entries=tuple(current)))
+            current, start = [], 0
+        current.append(BucketEntry(name=name, offset=start, nbytes=size, rows=rows))
+        used = start + size
+    if current:
+        buckets.append(Bucket(index=first + len(buckets), nbytes=used, entries=tuple(current)))
+    return buckets
+
+
+def _ack(value: int, device: torch.device) -> torch.Tensor:
+    return torch.tensor([value], dtype=torch.int64, device=device)
+
+
+def _send(tensor: torch.Tensor, rank: int, g: Any) -> None:
+    dist.send(tensor, dst=dist.get_global_rank(g._group, rank) if g._group is not None else rank, group=g._group)
+
+
+def _receive(rank: int, g: Any) -> dict[str, Any]:
+    src = dist.get_global_rank(g._group, rank) if g._group is not None else rank
+    size = torch.empty(1, dtype=torch.int64, device=g._device)
+    dist.recv(size, src=src, group=g._group)
+    data = torch.empty(int(size.item()), dtype=torch.uint8, device=g._device)
+    dist.recv(data, src=src, group=g._group)
+    answer: dict[str, Any] = json.loads(data.cpu().numpy().tobytes().decode())
+    return answer
+
+
+# ---------------------------------------------------------------------------------------------- the other ranks
+class _OwnRows(Mapping[str, torch.Tensor]):
+    """This rank's rows of the tensors a bucket names (views of its shards: nothing is copied before the write)."""
+
+    def __init__(self, sources: Mapping[str, int], items: list[tuple[str, Any]], group: Any) -> None:
+        from hotweights.core.sharded import _rows_per_rank
+
+        self._sources, self._items, self._group = sources, items, group
+        self._me = dist.get_rank(group)
+        self._chunk = {n: _rows_per_rank(items[i][1], group) for n, i in sources.items()}
+
+    def rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        chunk = self._chunk[name]
+        assert chunk is not None
+        first = self._me * chunk
+        local: torch.Tensor = self._items[self._sources[name]][1].to_local()
+        if not first <= start < stop <= first + local.shape[0]:
+            raise ValueError(f"rows [{start}, {stop}) of {name!r} are not this rank's")
+        return local[start - first : stop - first]
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        raise KeyError(f"{name!r}: a rank writes rows of its shards only")
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._sources)
+
+    def __len__(self) -> int:
+        return len(self._sources)
+
+
+def write_for_leader(
+    payload: bytes, items: list[tuple[str, Any]], leader: int, group: Any, write: Write | None
+) -> None:
+    """Rank ``r``'s step 2: write the bucket the leader named, hand it the descriptor, wait for its answer."""
+    device = _device_of(group)
+    src = dist.get_global_rank(group, leader) if group is not None else leader
+    sent = False
+
+    def reply(answer: dict[str, Any]) -> None:
+        data = json.dumps(answer).encode()
+        dist.send(torch.tensor([len(data)], dtype=torch.int64, device=device), dst=src, group=group)
+        dist.send(torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device), dst=src, group=group)
+
+    def stage(descriptor: dict[str, Any]) -> None:
+        nonlocal sent
+        reply(descriptor)
+        sent = True
+        ack = torch.empty(1, dtype=torch.int64, device=device)
+        dist.recv(ack, src=src, group=group)
+        if int(ack.item()):
+            raise InstallError("the leading rank did not stage this rank's bucket")
+
+    try:
+        if write is None:
+            raise InstallError("this rank was given nothing to write buckets with")
+        message = json.loads(payload.decode())
+        bucket = Bucket.model_validate_json(message["bucket"])
+        write(bucket, _OwnRows(message["sources"], items, group), stage)
+    except Exception as exc:
+        if not sent:
+            reply({"error": f"{type(exc).__name__}: {exc}"})
+
+
+def _device_of(group: Any) -> torch.device:
+    from hotweights.core.sharded import _device
+
+    return _device(group)
