@@ -217,7 +217,7 @@ def _run(
         if engine is None:
             if not local:
                 return follow(items, leader, group)
-            with make_transport("shm") as shm:
+            with make_transport("shm", keep_segments=False) as shm:  # each file removed once its bucket is staged
                 return follow(items, leader, group, write=shm.send)
         source = gathering(items, leader, group, tp_size=tp[1] if tp is not None else None, same_host=local)
         layout = None if chunks else layout  # the engine receives whole tensors

@@ -27,6 +27,7 @@ from __future__ import annotations
 import bisect
 import hashlib
 import json
+import socket
 import threading
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
@@ -45,7 +46,7 @@ from hotweights.core.errors import (
     WeightManifestValidationError,
 )
 from hotweights.core.manifest import ExpectedWeights, MetadataValue, TensorSpec, WeightUpdateManifest
-from hotweights.core.rank_writes import WRITE, Write, write_for_leader
+from hotweights.core.rank_writes import WRITE, RankWrites, Write, write_for_leader
 from hotweights.core.report import InstallReport
 from hotweights.core.sources import TensorSource, checkpoint_names
 
@@ -267,8 +268,6 @@ def gathering(
 
 def same_host(group: Any = None) -> bool:
     """Whether every rank of ``group`` runs on this host (same host name and boot): a collective, on every rank."""
-    import socket
-
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
             boot = f.read().strip()
@@ -439,8 +438,6 @@ class Gatherer:
     def rank_writes(self) -> Any:
         """The leader's side of rank-parallel writes (:mod:`hotweights.core.rank_writes`), where every rank runs on
         this host and the group has more than one rank; else None (every tensor is gathered)."""
-        from hotweights.core.rank_writes import RankWrites
-
         if not self.same_host or self._items is None or dist.get_world_size(self._group) < 2:
             return None
         return RankWrites(self, dict(self._items.source))
@@ -474,13 +471,8 @@ class Gatherer:
                 part = self._post_rows(index, start, stop).result()
             rows_total = int(self._sources[index][1].shape[0])
             if stop < rows_total:  # the install reads the parts in order: the next one, as large
-                self._ahead, self._ahead_rows = (
-                    self._post_rows(index, stop, min(rows_total, 2 * stop - start)),
-                    (
-                        stop,
-                        min(rows_total, 2 * stop - start),
-                    ),
-                )
+                following = (stop, min(rows_total, 2 * stop - start))
+                self._ahead, self._ahead_rows = self._post_rows(index, *following), following
             else:
                 self._post_next(index)
             self._held_part = (index, start, stop, part)
