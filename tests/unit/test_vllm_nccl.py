@@ -68,3 +68,13 @@ def test_the_gloo_stand_in_is_put_back() -> None:
     assert swapped() == before
     with pytest.raises(Exception, match="use backend='nccl'"), nccl_transfer_as("tcp"):
         pass
+
+
+def test_nccl_without_a_gpu_is_refused_typed() -> None:
+    from hotweights import EngineNotSupportedError
+    from hotweights.transports import make_transport
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    with pytest.raises(EngineNotSupportedError, match="needs a CUDA GPU"):
+        make_transport("vllm_nccl")

@@ -69,6 +69,11 @@ class Transport(collective.Transport):
         buffer_bytes: int = 256 << 20,
         num_buffers: int = 2,
     ) -> None:
+        if backend == "nccl" and not torch.cuda.is_available():
+            raise EngineNotSupportedError(
+                "the vllm_nccl transport with backend='nccl' needs a CUDA GPU; on a CPU machine use the shm transport "
+                "(or backend='gloo', the CPU stand-in for NCCL)"
+            )
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else "cpu"
         super().__init__(host=host, port=port, backend=backend, timeout=timeout, device=device)
