@@ -279,7 +279,8 @@ class HotWeightsGuard:
     async def _pausing(self, scope: Scope, receive: Receive, send: Send, path: str) -> None:
         """Forward a pause or resume; a pause that rejects new requests holds generation routes until the resume
         (or until the pause fails)."""
-        if path == PAUSE and _query(scope).get("mode", "abort") in ("wait", "abort") and self._paused is None:
+        holds = path == PAUSE and _query(scope).get("mode", "abort") in ("wait", "abort") and self._paused is None
+        if holds:
             self._paused = asyncio.Event()
         status: list[int] = []
 
@@ -291,7 +292,7 @@ class HotWeightsGuard:
         try:
             await self.app(scope, receive, sent)
         finally:
-            if path == RESUME or not status or status[0] >= 300:
+            if path == RESUME or (holds and (not status or status[0] >= 300)):  # a failed pause: only its own hold
                 self._release()
 
     def _release(self) -> None:

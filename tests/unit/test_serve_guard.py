@@ -710,3 +710,24 @@ def test_a_failed_pause_holds_nothing(fake: FakeVLLM) -> None:
     guard, order, before = _hold_scenario(fake, "wait", pause_status=500)
     assert before == 1 and guard.held == 0
     assert order == ["/pause", "/v1/completions", "/resume"]
+
+
+def test_a_failed_second_pause_keeps_the_first_ones_hold(fake: FakeVLLM) -> None:
+    guard = guarded(fake)
+
+    async def scenario() -> int:
+        transport = httpx.ASGITransport(app=guard, client=CALLER)
+        headers = {"Authorization": f"Bearer {TOKEN}"}
+        async with httpx.AsyncClient(transport=transport, base_url="http://server", headers=headers) as http:
+            await http.post("/pause", params={"mode": "wait"})
+            fake.status["/pause"] = 500
+            assert (await http.post("/pause", params={"mode": "abort"})).status_code == 500
+            completion = asyncio.ensure_future(http.post("/v1/completions", json={"prompt": "x"}))
+            for _ in range(50):
+                await asyncio.sleep(0)
+            before = sum(path == "/v1/completions" for _, path, _, _ in fake.calls)
+            await http.post("/resume")
+            await completion
+            return before
+
+    assert asyncio.run(scenario()) == 0 and guard.held == 1
