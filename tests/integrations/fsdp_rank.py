@@ -8,7 +8,8 @@ rank 0 compares vLLM's greedy output with HF's on the gathered weights. Every ra
 gathered tensors alive at once; rank 0 adds the outputs, and saves the last gathered model to ``--out/final``.
 Then a refusal: the ranks pass different versions, and both must raise the same error with nothing written. With
 ``--tp-models``, the ranks then install tensor-parallel chunks of those models (:func:`tp_stage`). Last, rank 1
-dies inside a gather: rank 0's install must fail, typed, with nothing written.
+dies (``--die-in``: as it writes its own rows, or inside a gather): rank 0's install must fail, typed, at once, with
+nothing written.
 
 Run by ``tests/integrations/test_fsdp.py``.
 """
@@ -19,6 +20,7 @@ import argparse
 import datetime
 import json
 import os
+import time
 import weakref
 from pathlib import Path
 from typing import Any
@@ -75,6 +77,8 @@ def _counting_gathers(stats: dict[str, int]) -> None:
     def write_for_leader(*args: Any, **kwargs: Any) -> None:
         if stats.get("on"):  # this rank writes a bucket of its own rows for the engine
             stats["written"] += 1
+            if stats.get("die_writing") == stats["written"]:  # this rank dies as it starts a write, mid-install
+                os._exit(3)
         original_write(*args, **kwargs)
 
     dist.gather = gather
@@ -144,6 +148,7 @@ def main() -> None:
     parser.add_argument("--bucket-bytes", type=int, default=64 << 10)
     parser.add_argument("--tp-models", default="", help="comma-separated model directories for the TP stage")
     parser.add_argument("--engine-tp", type=int, default=1, help="the engine's tensor_parallel_size")
+    parser.add_argument("--die-in", choices=("write", "gather"), default="write", help="where rank 1 dies, last")
     args = parser.parse_args()
     rank, out = args.rank, Path(args.out)
 
@@ -230,16 +235,20 @@ def main() -> None:
     if args.tp_models:
         tp_stage(llm, rank, args.tp_models.split(","), record)
 
-    # Rank 1 dies in its third gather of the next install: rank 0's install fails, nothing written.
-    stats.update(on=1, gathers=0)
+    # Rank 1 dies in the next install: as it starts its second bucket of its own rows (rank writes), or in its third
+    # gather (the leader gathering); rank 0's install fails, nothing written.
+    stats.update(on=1, gathers=0, written=0)
+    os.environ["HOTWEIGHTS_RANK_WRITES"] = "1" if args.die_in == "write" else "0"
     if rank == 1:
         (out / f"rank{rank}.json").write_text(json.dumps(record))
-        stats["die"] = 3
+        stats["die_writing" if args.die_in == "write" else "die"] = 2 if args.die_in == "write" else 3
+    started = time.perf_counter()
     try:
         hotweights.install(llm, model.state_dict(), weight_version=50, **options)  # FSDP2 again
         record["rank_died"] = None
     except Exception as exc:
         record["rank_died"] = f"{type(exc).__name__}: {exc}"
+    record["death_s"] = time.perf_counter() - started
     assert llm is not None
     record["version_after_death"] = as_engine(llm).get_weight_version()
     record["after_death"] = greedy_vllm(llm)
