@@ -241,18 +241,15 @@ def bucket_problems(bucket: Bucket, manifest: WeightUpdateManifest, size: int) -
         if e.name in seen:
             problems.append(f"{e.name!r} appears twice in the bucket")
         seen.add(e.name)
+        what = f"{e.name!r}" if e.rows is None else f"{e.name!r} rows {e.rows}"
         if spec is None:
             problems.append(f"{e.name!r} is not in the manifest")
-        elif e.rows is not None:
-            problems += _part_problems(e, spec.shape, spec.expected_nbytes)
-            if not problems and (e.offset % ALIGNMENT or e.offset + e.nbytes > bucket.nbytes):
-                problems.append(f"{e.name!r} rows {e.rows} are outside the {bucket.nbytes}-byte bucket")
-        elif e.nbytes != spec.expected_nbytes:
-            problems.append(f"{e.name!r} has {e.nbytes} bytes, the manifest says {spec.expected_nbytes}")
+        elif e.rows is not None and not (spec.shape and 0 <= e.rows[0] < e.rows[1] <= spec.shape[0]):
+            problems.append(f"{what} are not rows of its shape {tuple(spec.shape)}")
+        elif e.nbytes != (want := _entry_nbytes(e, spec.shape, spec.expected_nbytes)):
+            problems.append(f"{what} has {e.nbytes} bytes, the manifest says {want}")
         elif e.offset % ALIGNMENT or e.offset + e.nbytes > bucket.nbytes:
-            problems.append(
-                f"{e.name!r} at [{e.offset}, {e.offset + e.nbytes}) is outside the {bucket.nbytes}-byte bucket"
-            )
+            problems.append(f"{what} at [{e.offset}, {e.offset + e.nbytes}) is outside the {bucket.nbytes}-byte bucket")
     if end != bucket.nbytes:
         problems.append(f"bucket declares {bucket.nbytes} bytes but its tensors end at byte {end}")
     packed = sum(_align(e.nbytes) for e in bucket.entries) + ALIGNMENT
@@ -261,16 +258,9 @@ def bucket_problems(bucket: Bucket, manifest: WeightUpdateManifest, size: int) -
     return problems
 
 
-def _part_problems(e: BucketEntry, shape: tuple[int, ...], nbytes: int) -> list[str]:
-    assert e.rows is not None
-    start, stop = e.rows
-    if not shape or not 0 <= start < stop <= shape[0]:
-        return [f"{e.name!r} rows {e.rows} are not rows of its shape {tuple(shape)}"]
-    if e.nbytes != (stop - start) * (nbytes // shape[0]):
-        return [
-            f"{e.name!r} rows {e.rows} have {e.nbytes} bytes, the manifest says {(stop - start) * (nbytes // shape[0])}"
-        ]
-    return []
+def _entry_nbytes(e: BucketEntry, shape: tuple[int, ...], nbytes: int) -> int:
+    """The bytes ``e`` carries: the tensor's, or its rows' share of them."""
+    return nbytes if e.rows is None else (e.rows[1] - e.rows[0]) * (nbytes // shape[0])
 
 
 def unpack_parts(
