@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
-import os
 import shutil
 import tempfile
 import time
@@ -39,6 +38,7 @@ from hotweights.core.report import InstallReport, PhaseTimer
 from hotweights.handles import EngineHandle, PauseMode, as_engine
 from hotweights.telemetry import best_effort, log_report
 from hotweights.transports.shm import SHM_DIR
+from hotweights.versions import lora_directory_prefix
 from hotweights.vllm import compat
 
 __all__ = ["install_lora", "install_lora_async", "lora_request"]
@@ -173,8 +173,7 @@ def _install_lora(
         if slot is not None and weight_version <= slot.version and not force:
             raise StaleWeightVersionError(weight_version, slot.version)
         lora_id = next(handle.shared(_IDS, lambda: itertools.count(1)))  # every version an id of its own
-        prefix = f"hotweights-{os.getpid()}-lora-v{weight_version}-"  # read back by hotweights.lora_version_of
-        directory = Path(tempfile.mkdtemp(prefix=prefix, dir=SHM_DIR))
+        directory = Path(tempfile.mkdtemp(prefix=lora_directory_prefix(weight_version), dir=SHM_DIR))
         try:
             with timer("pack"):
                 _write_safetensors(directory / "adapter_model.safetensors", list(items.items()))

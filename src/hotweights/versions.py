@@ -24,6 +24,7 @@ Example:
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -173,6 +174,11 @@ def weight_version_of(output: Any) -> int | None:
 
 #: The directory :func:`hotweights.install_lora` saves each version of an adapter in, which vLLM loads it from.
 _LORA_DIR = re.compile(r"^hotweights-\d+-lora-v(\d+)-")
+
+
+def lora_directory_prefix(weight_version: int) -> str:
+    """The name prefix of the directory that version's adapter is saved in (what :func:`lora_version_of` reads)."""
+    return f"hotweights-{os.getpid()}-lora-v{weight_version}-"
 
 
 def lora_version_of(output: Any) -> int | None:
