@@ -108,14 +108,10 @@ class RankWrites:
     def _post(self, bucket: Bucket | None) -> Bucket | None:
         if bucket is None:
             return None
-        names = {e.name for e in bucket.entries}
-        payload = json.dumps(
-            {"bucket": bucket.model_dump_json(), "sources": {n: self.sources[n] for n in names}}
-        ).encode()
-        g = self.gatherer
-        g._command(WRITE, self.owner[bucket.index], len(payload))
-        data = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(g._device)
-        dist.broadcast(data, src=g._src, group=g._group)
+        sources = {e.name: self.sources[e.name] for e in bucket.entries}
+        self.gatherer._announce(
+            WRITE, self.owner[bucket.index], {"bucket": bucket.model_dump_json(), "sources": sources}
+        )
         return bucket
 
     def _stage(self, bucket: Bucket, stage: Callable[[dict[str, Any]], None]) -> None:

@@ -527,9 +527,12 @@ class Gatherer:
             if isinstance(outcome, InstallReport)
             else {"error": envelope.encode(outcome)}
         )
-        data = torch.frombuffer(bytearray(json.dumps(payload).encode()), dtype=torch.uint8).to(self._device)
-        self._command(_END)
-        self._command(data.numel())
+        self._announce(_END, 0, payload)
+
+    def _announce(self, value: int, start: int, message: dict[str, Any]) -> None:
+        """A command whose ``stop`` is the length of a JSON ``message`` broadcast right after it."""
+        data = torch.frombuffer(bytearray(json.dumps(message).encode()), dtype=torch.uint8).to(self._device)
+        self._command(value, start, data.numel())
         dist.broadcast(data, src=self._src, group=self._group)
 
 
@@ -549,13 +552,13 @@ def follow(items: Items, leader: int, group: Any = None, write: Write | None = N
         while True:
             dist.broadcast(cmd, src=src, group=group)
             index, start, stop = (int(v) for v in cmd.tolist())
-            if index == _END:
-                break
-            if index == WRITE:  # rank `start` writes the bucket described by the next `stop` bytes
-                payload = torch.empty(stop, dtype=torch.uint8, device=device)
-                dist.broadcast(payload, src=src, group=group)
-                if start == dist.get_rank(group):
-                    write_for_leader(payload.cpu().numpy().tobytes(), sources, leader, group, write)
+            if index in (_END, WRITE):  # a JSON message of `stop` bytes follows
+                data = torch.empty(stop, dtype=torch.uint8, device=device)
+                dist.broadcast(data, src=src, group=group)
+                if index == _END:
+                    break
+                if start == dist.get_rank(group):  # rank `start` writes the bucket it describes
+                    write_for_leader(data.cpu().numpy().tobytes(), sources, leader, group, write)
                 continue
             source = sources[index][1]  # this rank's part; the leader keeps the tensor
             if start >= 0:  # rows [start, stop) of a dim-0 shard: this rank's share of them
@@ -564,9 +567,6 @@ def follow(items: Items, leader: int, group: Any = None, write: Write | None = N
                 _gather(source, src, group, leads=False)
             else:  # a tensor-parallel chunk
                 dist.gather(source.contiguous(), None, dst=src, group=group)
-        dist.broadcast(cmd, src=src, group=group)
-        data = torch.empty(int(cmd[0].item()), dtype=torch.uint8, device=device)
-        dist.broadcast(data, src=src, group=group)
     except Exception as exc:
         raise InstallError(
             f"the sharded install broke off: a collective with the leading rank {leader} failed "
