@@ -607,3 +607,88 @@ def test_streaming_direct_carries_every_bucket_in_one_kept_segment(engine: Engin
     finally:
         adapter.close()
     assert engine.llm.collective_rpc("hotweights_engine", args=("release_segments",)) == [0]
+
+
+class OverlappingShm(WeightTransport):
+    """shm whose sends overlap (the installer pipelines them): records how many were alive at once and whether a
+    bucket was packed while the one before it was being staged; can fail the stage of bucket ``fail_at``."""
+
+    name = "shm"
+
+    def __init__(self, fail_at: int | None = None) -> None:
+        self.inner = make_transport("shm")
+        self.lock = threading.Lock()
+        self.alive = self.most_alive = 0
+        self.staging: set[int] = set()
+        self.packed_during_stage = 0
+        self.fail_at = fail_at
+
+    @property
+    def overlaps(self) -> bool:
+        return True
+
+    def connect(self, engine: EngineLink) -> None:
+        self.inner.connect(engine)
+
+    def close(self) -> None:
+        self.inner.close()
+
+    def send(self, bucket: Bucket, tensors: Mapping[str, torch.Tensor], stage: Stage) -> None:
+        with self.lock:
+            self.alive += 1
+            self.most_alive = max(self.most_alive, self.alive)
+            self.packed_during_stage += bucket.index - 1 in self.staging
+
+        def staged(descriptor: dict[str, Any]) -> None:
+            with self.lock:
+                self.staging.add(bucket.index)
+            try:
+                if bucket.index == self.fail_at:
+                    raise ConnectionError(f"stage of bucket {bucket.index} lost")
+                stage(descriptor)
+            finally:
+                with self.lock:
+                    self.staging.discard(bucket.index)
+
+        try:
+            self.inner.send(bucket, tensors, staged)
+        finally:
+            with self.lock:
+                self.alive -= 1
+
+
+@pytest.mark.parametrize("commit", ["atomic", "streaming"])
+def test_pipelined_sends_overlap_and_install_exactly(engine: Engine, commit: str) -> None:
+    """Buckets are packed while the one before is staged (or, streaming, installed), and the engine then equals a
+    fresh one on each checkpoint."""
+    for ckpt in (engine.b, engine.a):
+        sd = ckpt.state_dict()
+        transport = OverlappingShm()
+        adapter = VLLMMultiprocessAdapter(
+            engine.llm, transport=transport, bucket_bytes=SMALL_BUCKET, commit=commit, buckets_in_flight=3
+        )
+        adapter.active_weight_version = engine._version
+        report = adapter.install(WeightUpdateManifest.from_state_dict(sd, weight_version=engine.version()), sd)
+        assert report.weight_version == engine._version
+        assert transport.most_alive >= 2, "no two buckets were in flight at once"
+        assert transport.packed_during_stage > 0, "no bucket was packed while the one before it was staged"
+        assert greedy_vllm(engine.llm) == ckpt.fresh
+    assert our_shm() == []
+
+
+def test_a_pipelined_install_failing_mid_way_writes_nothing(engine: Engine) -> None:
+    engine.install(engine.a, "shm")
+    version = engine._version
+    sd = engine.b.state_dict()
+    transport = OverlappingShm(fail_at=4)
+    adapter = VLLMMultiprocessAdapter(engine.llm, transport=transport, bucket_bytes=SMALL_BUCKET, buckets_in_flight=3)
+    adapter.active_weight_version = version
+    with pytest.raises(InstallError) as info:
+        adapter.install(WeightUpdateManifest.from_state_dict(sd, weight_version=version + 1), sd)
+    assert isinstance(info.value.__cause__, ConnectionError)
+    assert transport.alive == 0  # every send returned (the waiting ones stopped and removed their files)
+    assert engine.llm.llm_engine.get_weight_version() == str(version)
+    assert greedy_vllm(engine.llm) == engine.a.fresh
+    assert our_shm() == []
+    engine.install(engine.b, "shm")
+    assert greedy_vllm(engine.llm) == engine.b.fresh

@@ -20,6 +20,7 @@ import hotweights.telemetry as telemetry
 from hotweights import InstallError, InstallReport, WeightUpdateManifest
 from hotweights.adapters import WeightInstallAdapter
 from hotweights.adapters.installer import VLLMSessionAdapter
+from hotweights.adapters.options import InstallerOptions
 from hotweights.core.buckets import Bucket, plan_buckets
 from hotweights.core.report import PhaseTimer
 from hotweights.transports import Descriptor, Stage, WeightTransport
@@ -60,6 +61,8 @@ class BucketAdapter(WeightInstallAdapter):
 
     name = "buckets"
     _send = VLLMSessionAdapter._send
+    _in_flight = VLLMSessionAdapter._in_flight
+    options = InstallerOptions()
 
     def __init__(self, transport: WeightTransport, bucket_bytes: int) -> None:
         super().__init__()

@@ -27,6 +27,7 @@ from hotweights.core.cast import item_names, lazy_mapping
 from hotweights.core.delta import DeltaBase, EncodedDelta, StagedDelta
 from hotweights.core.errors import DeltaBaseMismatchError, EngineNotSupportedError, InstallError
 from hotweights.core.manifest import WeightUpdateManifest
+from hotweights.core.pipeline import send_pipelined
 from hotweights.telemetry import best_effort, bucket_progress
 from hotweights.transports import Descriptor, WeightTransport, make_transport
 from hotweights.transports.shm_base import SharedDeltaBase
@@ -47,6 +48,7 @@ class SessionAdapterOptions(EngineOptions, total=False):
     commit: CommitMode
     rpc_timeout: float | None
     verify: bool
+    buckets_in_flight: int | None
 
 
 def split_options(options: SessionAdapterOptions) -> tuple[InstallerOptions, EngineOptions]:
@@ -290,8 +292,23 @@ class Installer(VLLMEngineAdapter):
             if ranks is not None:
                 ranks.transfer(list(buckets), deliver, lambda b: self.transport.send(b, tensors, deliver(b)))
                 return
-            for bucket in buckets:
-                two_phase.share(timer.member, self.transport, bucket, tensors, deliver(bucket))
+
+            def send(bucket: Bucket, stage: Callable[[Descriptor], None]) -> None:
+                two_phase.share(timer.member, self.transport, bucket, tensors, stage)
+
+            def stage(bucket: Bucket, descriptor: Descriptor) -> None:
+                deliver(bucket)(descriptor)
+
+            send_pipelined(plan, send, stage, self._in_flight(tensors), done=buckets)
+
+    def _in_flight(self, tensors: Any) -> int:
+        """Buckets packed while earlier ones are staged: the installer's ``buckets_in_flight``, else the
+        transport's; one where the transport cannot overlap its sends or where reading the tensors is a collective
+        (a sharded state dict's gathers run in order on every rank)."""
+        depth = self.options.buckets_in_flight or self.transport.buckets_in_flight
+        if not self.transport.overlaps or getattr(tensors, "reads_in_order", False):
+            return 1
+        return depth
 
     def _rank_writes(self, tensors: Any, options: SessionOptions, member: Any) -> Any:
         """The leader's side of rank-parallel writes, where they apply: a sharded state dict whose ranks share this

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from hotweights.core.errors import EngineNotSupportedError
+from hotweights.core.pipeline import MAX_DEPTH
 
 __all__ = ["CommitMode", "InstallMethod", "InstallerOptions", "PathAbilities", "VerifyOption"]
 
@@ -51,6 +52,8 @@ class InstallerOptions:
         verify: default of ``install(verify=...)``.
         bucket_bytes: bytes per bucket (None: the transport's preferred size, capped by free memory).
         rpc_timeout: seconds each call into the workers may take (None: no limit).
+        buckets_in_flight: buckets packed while earlier ones are staged (None: the transport's
+            ``buckets_in_flight``, 2 for shm and bytes; 1: one bucket at a time). Each is a packed bucket in memory.
     """
 
     install_method: InstallMethod = "auto"
@@ -58,6 +61,7 @@ class InstallerOptions:
     verify: bool = False
     bucket_bytes: int | None = None
     rpc_timeout: float | None = 300.0
+    buckets_in_flight: int | None = None
 
     def validate(self, can: PathAbilities, *, keeps_segments: bool = False) -> None:
         """Every rule on which of these options combine, on a path that can do ``can`` (``keeps_segments``: the
@@ -68,6 +72,11 @@ class InstallerOptions:
             raise ValueError(f"commit must be 'atomic' or 'streaming', not {self.commit!r}")
         if self.bucket_bytes is not None and self.bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes must be positive (or None for the default), got {self.bucket_bytes}")
+        if self.buckets_in_flight is not None and not 1 <= self.buckets_in_flight <= MAX_DEPTH:
+            raise ValueError(
+                f"buckets_in_flight must be between 1 and {MAX_DEPTH} (None for the transport's default), "
+                f"got {self.buckets_in_flight}"
+            )
         if self.verify:
             self.check_call(True, False, can)
         if keeps_segments and not can.releases_segments:

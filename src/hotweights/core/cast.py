@@ -173,6 +173,12 @@ class _CastMapping(Mapping[str, torch.Tensor]):
         """Rows ``[start, stop)`` of ``name`` (:func:`hotweights.core.buckets.rows_of`)."""
         return self._items.rows(self._index[name], start, stop)
 
+    @property
+    def reads_in_order(self) -> bool:
+        """Whether reads must come one at a time, in the plan's order: a loader that gathers each tensor across
+        the ranks of a sharded install (a collective every rank runs in the same order)."""
+        return self._items.load is not None
+
     def rank_writes(self) -> Any:
         """Where every rank of a sharded install can write its own rows (:mod:`hotweights.core.rank_writes`): the
         leader's side of it; None otherwise, and when tensors are cast (the ranks write what they hold)."""

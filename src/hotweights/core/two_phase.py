@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from hotweights.core.errors import FleetAbortedError, HotWeightsError, HotWeightsTimeoutError
+from hotweights.core.pipeline import MAX_DEPTH
 
 if TYPE_CHECKING:
     import torch
@@ -81,7 +82,9 @@ class Coordinator:
         self.decision: Decision | None = None
         self.reason = ""
         self._groups: dict[int, _Group] = {}
-        self._pool = ThreadPoolExecutor(max_workers=max(1, size), thread_name_prefix="hotweights-fleet")
+        # A stage per replica for every bucket in flight (a pipelined send holds up to MAX_DEPTH), so a bucket's
+        # stage never waits in the queue behind a later bucket's, which waits for it (threads start on demand).
+        self._pool = ThreadPoolExecutor(max_workers=max(1, size) * MAX_DEPTH, thread_name_prefix="hotweights-fleet")
 
     # ------------------------------------------------------------------ groups (set up before the install)
     def add_group(self, transport: WeightTransport, members: list[int]) -> None:

@@ -25,6 +25,10 @@ class Transport(WeightTransport):
         16 << 20
     )  # under vLLM's ~24 MB shared-memory message ring; larger messages are copied several times on their way
 
+    @property
+    def overlaps(self) -> bool:
+        return True  # each send packs a buffer of its own
+
     def send(self, bucket: Bucket, tensors: Mapping[str, torch.Tensor], stage: Stage) -> None:
         data = bytearray(bucket.nbytes)
         if bucket.nbytes:

@@ -32,6 +32,7 @@ import os
 import re
 import shutil
 import stat
+import threading
 import time
 import uuid
 import weakref
@@ -397,9 +398,16 @@ class Transport(WeightTransport):
         self._one_segment = False
         self._budget = _reuse_budget() if keep_segments is None else 0
         self._files: dict[int, _File] = {}  # bucket index -> its file, rewritten by every install
+        self._lock = threading.Lock()  # sends may run on several threads (a pipelined install): the two dicts
         # Dropped (with its adapter, handle or engine): the files and segments go; the finalizer holds no reference
         # to the transport, only to what it releases.
         self._finalizer = weakref.finalize(self, _release, self._files, self._kept)
+
+    @property
+    def overlaps(self) -> bool:
+        """Sends may run at once: each bucket has a file (or kept segment) of its own, except where one kept
+        segment carries every bucket."""
+        return not (self.keep_segments and self._one_segment)
 
     def connect(self, engine: EngineLink) -> None:
         """Keep ``engine`` to release the workers' segments through; where the link offers
@@ -467,6 +475,10 @@ class Transport(WeightTransport):
     def _reusable(self, index: int, size: int) -> _File | None:
         """The file the ``index``-th bucket of every install is written to, while the files fit in the budget;
         None: a fresh file for this bucket."""
+        with self._lock:
+            return self._reusable_locked(index, size)
+
+    def _reusable_locked(self, index: int, size: int) -> _File | None:
         file = self._files.get(index)
         if file is not None and file.size >= size:
             return file
@@ -484,12 +496,13 @@ class Transport(WeightTransport):
         # (committed, or aborted and its session dropped by the next begin), so the pages are free to rewrite.
         size = max(bucket.nbytes, 1)
         slot = 0 if self._one_segment else bucket.index
-        seg = self._kept.get(slot)
-        if seg is not None and len(seg.mm) < size:
-            self._drop(slot)
-            seg = None
-        if seg is None:
-            seg = self._kept[slot] = self._create(size)
+        with self._lock:
+            seg = self._kept.get(slot)
+            if seg is not None and len(seg.mm) < size:
+                self._drop(slot)
+                seg = None
+            if seg is None:
+                seg = self._kept[slot] = self._create(size)
         buffer = torch.frombuffer(seg.mm, dtype=torch.uint8, count=size)
         pack_into(buffer, bucket, tensors)
         del buffer

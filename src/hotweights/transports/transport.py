@@ -66,6 +66,16 @@ class WeightTransport(ABC):
     #: packed or copied, the whole update is one bucket, and a delta's base is lent rather than kept twice).
     by_reference: ClassVar[bool] = False
 
+    #: Buckets packed while earlier ones are staged (:mod:`hotweights.core.pipeline`), where :attr:`overlaps`.
+    buckets_in_flight: ClassVar[int] = 2
+
+    @property
+    def overlaps(self) -> bool:
+        """Whether several :meth:`send` calls may run at once, on different threads, each packing its own bucket
+        (their ``stage`` calls still come one at a time, in order). False by default: a transport says so once its
+        sends keep nothing shared between buckets."""
+        return False
+
     @property
     def share_key(self) -> str:
         """Engines whose transports have the same key can share one copy of each bucket (e.g. one host)."""
