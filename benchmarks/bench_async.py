@@ -8,6 +8,8 @@ soon as it finishes. Every profile runs ``--seconds`` of that load; all but ``id
 - ``idle``: no installs (the reference tokens/s);
 - ``wait``, ``abort``, ``keep``: ``hotweights.install_async(..., pause=mode)``, atomic commit (the default adapter);
 - ``streaming``: ``pause="wait"`` through ``VLLMMultiprocessAdapter(engine, commit="streaming")``;
+- ``aside``: ``pause="keep"`` through ``VLLMMultiprocessAdapter(engine, install_method="aside")``: the new layers are
+  built (loaded and re-packed) in a twin of the model while the engine serves, the commit swaps them in;
 - ``native``: vLLM's own flow on the same engine, no hotweights in the path: ``pause_generation(mode="keep")``,
   the weights written as one safetensors file in /dev/shm, ``collective_rpc("reload_weights", weights_path=...)``,
   ``reset_prefix_cache``, ``resume_generation``.
@@ -18,6 +20,12 @@ here) and the longest gap between two consecutive tokens of one stream during th
 one request's last token to the next one's first); in keep mode,
 how many requests finished with tokens of two versions (``hotweights.weight_versions_of``). After the last install
 the engine's greedy tokens must equal HF's on the last checkpoint installed (exit 1 otherwise).
+
+Then the same for an in-process ``vllm.LLM`` driven by another thread (``--inprocess``, on by default): a thread calls
+``llm.generate`` on ``--streams`` prompts at a time, back to back, while the main thread installs every ``--every``
+seconds: ``llm-idle``, ``llm-reload`` (``hotweights.install``'s default adapter) and ``llm-aside``
+(``VLLMInProcessAdapter(llm, install_method="aside")``). A ``vllm.LLM`` has no scheduler to pause: the stall is the
+time hotweights' gate held new generation calls (``report.stall_s``); token gaps are not seen (a call returns whole).
 
 Run: ``.venv/bin/python benchmarks/bench_async.py`` (the 150m model: ~150M-param fp32 Qwen2, 612 MB) or
 ``--size tiny`` (seconds, for a smoke run); ``--profiles idle,keep`` picks profiles.
@@ -31,8 +39,10 @@ import itertools
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -41,9 +51,18 @@ from safetensors.torch import save_file
 
 import hotweights
 from hotweights.adapters import VLLMMultiprocessAdapter
-from hotweights.testing import EventLoopThread, build_tiny_model, greedy_hf, start_async_engine
+from hotweights.testing import (
+    EventLoopThread,
+    build_tiny_model,
+    greedy_hf,
+    greedy_vllm,
+    start_async_engine,
+    start_engine,
+    stop_engine,
+)
 
-PROFILES = ("idle", "wait", "abort", "keep", "streaming", "native")
+PROFILES = ("idle", "wait", "abort", "keep", "streaming", "aside", "native")
+LLM_PROFILES = ("llm-idle", "llm-reload", "llm-aside")
 SIZES: dict[str, dict[str, int]] = {
     "150m": {"hidden": 768, "layers": 12, "heads": 12, "kv_heads": 4, "intermediate": 3072, "vocab": 32000},
     "tiny": {},
@@ -133,11 +152,14 @@ async def run_profile(
         if profile == "native":
             stall = await native_install(engine, sd, version, args.tmp)
         else:
-            options: dict[str, Any] = {"pause": "wait" if profile == "streaming" else profile}
-            if profile == "streaming":
-                if "streaming" not in state:
-                    state["streaming"] = await asyncio.to_thread(VLLMMultiprocessAdapter, engine, commit="streaming")
-                options["adapter"] = state["streaming"]
+            options: dict[str, Any] = {"pause": {"streaming": "wait", "aside": "keep"}.get(profile, profile)}
+            if profile in ("streaming", "aside"):
+                if profile not in state:
+                    chosen: dict[str, Any] = (
+                        {"commit": "streaming"} if profile == "streaming" else {"install_method": "aside"}
+                    )
+                    state[profile] = await asyncio.to_thread(partial(VLLMMultiprocessAdapter, engine, **chosen))
+                options["adapter"] = state[profile]
             report = await hotweights.install_async(engine, sd, weight_version=version, **options)
             stall = report.stall_s or 0.0
         installs.append(Install(t0, time.perf_counter(), stall))
@@ -157,6 +179,66 @@ async def run_profile(
         "mixed": mixed,
         "requests": len(load.finished),
     }
+
+
+def run_llm_profile(
+    llm: Any, profile: str, pair: list[dict[str, torch.Tensor]], args: argparse.Namespace, state: dict[str, Any]
+) -> dict[str, Any]:
+    """The same load and installs for an in-process ``vllm.LLM``: a thread generates, this one installs."""
+    from vllm import SamplingParams
+
+    from hotweights.adapters import VLLMInProcessAdapter
+
+    sp = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True, detokenize=False)
+    prompts = [{"prompt_token_ids": PROMPT}] * args.streams
+    load = Load()
+
+    def generate() -> None:
+        while not load.stop:
+            outs = llm.generate(prompts, sp, use_tqdm=False)
+            load.tokens += sum(len(o.outputs[0].token_ids) for o in outs)
+            load.finished += [o.outputs[0] for o in outs]
+
+    thread = threading.Thread(target=generate, name="bench-generate")
+    thread.start()
+    installs: list[Install] = []
+    try:
+        time.sleep(1.0)
+        tokens0, start = load.tokens, time.perf_counter()
+        deadline = start + args.seconds
+        adapter = VLLMInProcessAdapter(llm, install_method="aside") if profile == "llm-aside" else None
+        while profile != "llm-idle" and time.perf_counter() + args.every < deadline:
+            time.sleep(args.every)
+            state["version"] += 1
+            version = state["version"]
+            t0 = time.perf_counter()
+            report = hotweights.install(llm, pair[version % 2], weight_version=version, adapter=adapter)
+            installs.append(Install(t0, time.perf_counter(), report.stall_s or 0.0))
+            state["last"] = version % 2
+        time.sleep(max(0.0, deadline - time.perf_counter()))
+        elapsed, tokens = time.perf_counter() - start, load.tokens - tokens0
+    finally:
+        load.stop = True
+        thread.join()
+    return {
+        "profile": profile,
+        "tok_s": tokens / elapsed,
+        "installs": len(installs),
+        "install_s": statistics.median(i.end - i.start for i in installs) if installs else 0.0,
+        "stall_s": statistics.median(i.stall_s for i in installs) if installs else 0.0,
+        "gap_s": float("nan"),
+        "mixed": 0,
+        "requests": len(load.finished),
+    }
+
+
+def _print_row(row: dict[str, Any]) -> None:
+    print(
+        f"{row['profile']:>10}: {row['tok_s']:7.1f} tok/s, {row['installs']} installs, install "
+        f"{row['install_s']:.2f} s, stall {row['stall_s']:.2f} s, longest token gap {row['gap_s']:.2f} s, "
+        f"{row['mixed']}/{row['requests']} requests with two versions",
+        flush=True,
+    )
 
 
 async def greedy(engine: Any) -> list[list[int]]:
@@ -184,11 +266,14 @@ def main() -> int:
     parser.add_argument("--every", type=float, default=5.0, help="seconds between installs")
     parser.add_argument("--streams", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--inprocess", action=argparse.BooleanOptionalAction, default=True)
     args = parser.parse_args()
     profiles = [p for p in args.profiles.split(",") if p]
-    unknown = set(profiles) - set(PROFILES)
+    unknown = set(profiles) - set(PROFILES) - set(LLM_PROFILES)
     if unknown:
-        parser.error(f"unknown profiles {sorted(unknown)}; choose from {PROFILES}")
+        parser.error(f"unknown profiles {sorted(unknown)}; choose from {PROFILES + LLM_PROFILES}")
+    if args.inprocess and not set(profiles) & set(LLM_PROFILES):
+        profiles += LLM_PROFILES
     models = [build_tiny_model("qwen2", seed=s, **SIZES[args.size]) for s in (1, 2)]
     pair = [{k: v.detach().clone() for k, v in m.state_dict().items()} for m in models]
     nbytes = sum(t.nbytes for t in pair[0].values())
@@ -207,24 +292,39 @@ def main() -> int:
                 f"installs every {args.every:g} s over {args.seconds:g} s per profile",
                 flush=True,
             )
-            for profile in profiles:
+            for profile in [p for p in profiles if p in PROFILES]:
                 row = loop.run(run_profile(engine, profile, pair, args, state), timeout=args.seconds * 4 + 600)
                 rows.append(row)
-                print(
-                    f"{profile:>9}: {row['tok_s']:7.1f} tok/s, {row['installs']} installs, install "
-                    f"{row['install_s']:.2f} s, stall {row['stall_s']:.2f} s, longest token gap {row['gap_s']:.2f} s, "
-                    f"{row['mixed']}/{row['requests']} requests with two versions",
-                    flush=True,
-                )
+                _print_row(row)
             served = loop.run(greedy(engine))
         finally:
             engine.shutdown()
             loop.close()
-    idle = next((r["tok_s"] for r in rows if r["profile"] == "idle"), None)
+        if served != (refs[state["last"]] if state["version"] else refs[0]):
+            print(f"FAIL: after the last AsyncLLM install the engine serves {served}")
+            return 1
+        chosen = [p for p in profiles if p in LLM_PROFILES]
+        if chosen:
+            llm = start_engine(path, multiprocess=False)
+            llm_state: dict[str, Any] = {"version": 0, "last": 0}
+            try:
+                for profile in chosen:
+                    row = run_llm_profile(llm, profile, pair, args, llm_state)
+                    rows.append(row)
+                    _print_row(row)
+                served = greedy_vllm(llm)
+            finally:
+                stop_engine(llm)
+            state = llm_state
+    idle = {
+        kind: next((r["tok_s"] for r in rows if r["profile"] == name), None)
+        for kind, name in (("async", "idle"), ("llm", "llm-idle"))
+    }
     print("\n| profile | tok/s | vs idle | installs | install s | stall s | stall / install | longest gap s | mixed |")
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        ratio = f"{r['tok_s'] / idle:.2f}" if idle else "-"
+        base = idle["llm" if r["profile"].startswith("llm-") else "async"]
+        ratio = f"{r['tok_s'] / base:.2f}" if base else "-"
         share = f"{r['stall_s'] / r['install_s']:.2f}" if r["install_s"] else "-"
         print(
             f"| {r['profile']} | {r['tok_s']:.1f} | {ratio} | {r['installs']} | {r['install_s']:.2f} | "

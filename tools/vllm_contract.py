@@ -134,6 +134,7 @@ _CPU_RUNNER = "vllm.v1.worker.cpu.standalone_model_runner"  # 0.34's CPU runner
 _WORKER = "vllm.v1.worker.gpu_worker"
 _LAYERWISE = "vllm.model_executor.model_loader.reload.layerwise"
 _RELOAD_TYPES = "vllm.model_executor.model_loader.reload.types"
+_RELOAD_META = "vllm.model_executor.model_loader.reload.meta"
 _WT = "vllm.distributed.weight_transfer.base"
 _WT_FACTORY = "vllm.distributed.weight_transfer.factory"
 _NCCL_COMMON = "vllm.distributed.weight_transfer.nccl_common"
@@ -469,6 +470,65 @@ CONTRACT: tuple[Entry, ...] = (
     *(
         _e(_RELOAD_TYPES, f"LayerReloadingInfo.{a}", "attribute", "worker_ops.close_layerwise_reload", "cleared")
         for a in ("load_numel", "loaded_weights")
+    ),
+    # --- aside.py: vLLM's layerwise reload into a twin of the model
+    _e(
+        _LAYERWISE,
+        "get_layerwise_info",
+        "function",
+        "aside.AsideStream",
+        "each twin layer's reload record",
+        args=("layer",),
+    ),
+    _e(
+        _LAYERWISE,
+        "_layerwise_process",
+        "function",
+        "aside.AsideStream.prepare",
+        "processes a partly loaded twin layer, as finalize does",
+        args=("layer", "info"),
+    ),
+    *(
+        _e(
+            _RELOAD_TYPES,
+            f"LayerReloadingInfo.{a}",
+            "attribute",
+            "aside",
+            "the twin's own record, copied from the live",
+        )
+        for a in ("restore_metadata", "restore_device", "kernel_tensors")
+    ),
+    _e(_RELOAD_TYPES, "LayerReloadingInfo.reset", "method", "aside.AsideStream.prepare", ""),
+    _e(
+        _RELOAD_META,
+        "to_meta_tensor",
+        "function",
+        "aside._give_reload_info",
+        "the twin's meta tensors",
+        args=("tensor",),
+    ),
+    _e(_RELOAD_META, "SKIP_TENSORS", "variable", "aside._own_tensors", "what vLLM loads in place (the twin copies)"),
+    _e(
+        "vllm.model_executor.model_loader.reload.sanitize",
+        "layer_ref_sentinel",
+        "variable",
+        "aside._give_reload_info",
+        "loaders recorded without their layer: bound to the twin",
+    ),
+    _e(
+        _LAYERS + ".attention",
+        "is_deferred_attention_layer",
+        "function",
+        "aside.AsideStream.prepare",
+        "attention scales are refused aside",
+        args=("layer",),
+    ),
+    _e(
+        _LAYERS + ".quantization.base_config",
+        "QuantizeMethodBase",
+        "class",
+        "aside.Twin",
+        "copied per twin layer: post-load processing may keep state on it",
     ),
     # --- readback.py
     *(

@@ -243,7 +243,8 @@ class Installer(VLLMEngineAdapter):
         update_id = sent.update_id if sent is not None else _delta_id(options)
         lent = self._delta.base if options.delta is not None and self.transport.by_reference else None
         try:
-            if self.wire.one_call and len(plan) == 1 and not streaming and member is None and sent is not None:
+            one = self.wire.one_call and len(plan) == 1 and member is None and not streaming
+            if one and sent is not None and self.install_method != "aside":  # aside: built before the gate is held
                 summaries = self._one_call(options, sent, tensors, plan, timer)
             else:
                 with timer("begin"):  # the workers check the manifest and plan the method: refused before any byte

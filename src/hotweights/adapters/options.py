@@ -16,9 +16,11 @@ from hotweights.core.pipeline import MAX_DEPTH
 
 __all__ = ["CommitMode", "InstallMethod", "InstallerOptions", "PathAbilities", "VerifyOption"]
 
-InstallMethod = Literal["auto", "direct", "reload"]
+InstallMethod = Literal["auto", "direct", "reload", "aside"]
 """How the workers install: ``auto`` (the direct setter where its plan proves it safe, else vLLM's layerwise
-reload), ``direct`` or ``reload``."""
+reload), ``direct``, ``reload``, or ``aside`` (vLLM's layerwise reload into a twin of the model while the engine
+serves, swapped in at the commit: generation stops only for the swap; CPU engines; about one more copy of the model
+in the engine until the commit; see ``docs/async-rl.md``)."""
 CommitMode = Literal["atomic", "streaming"]
 """``atomic``: stage everything, then install (nothing written until then). ``streaming``: install bucket by
 bucket (memory bounded by the bucket; a failed transfer leaves a partial update and the engine fails closed)."""
@@ -66,8 +68,15 @@ class InstallerOptions:
     def validate(self, can: PathAbilities, *, keeps_segments: bool = False) -> None:
         """Every rule on which of these options combine, on a path that can do ``can`` (``keeps_segments``: the
         transport keeps one shm segment per bucket across installs). Raises ``ValueError`` naming the rule."""
-        if self.install_method not in ("auto", "reload", "direct"):
-            raise ValueError(f"install_method must be 'auto', 'reload' or 'direct', not {self.install_method!r}")
+        if self.install_method not in ("auto", "reload", "direct", "aside"):
+            raise ValueError(
+                f"install_method must be 'auto', 'reload', 'direct' or 'aside', not {self.install_method!r}"
+            )
+        if self.install_method == "aside" and self.commit != "atomic":
+            raise ValueError(
+                "install_method='aside' builds the update aside and swaps it in at the commit: it is an atomic "
+                "commit; use commit='atomic' (the default)"
+            )
         if self.commit not in ("atomic", "streaming"):
             raise ValueError(f"commit must be 'atomic' or 'streaming', not {self.commit!r}")
         if self.bucket_bytes is not None and self.bucket_bytes <= 0:
@@ -107,6 +116,11 @@ class InstallerOptions:
             )
         if wanted and self.commit == "streaming":
             raise ValueError("verify=True needs commit='atomic': a streaming install keeps no copy of what it wrote")
+        if wanted and self.install_method == "aside":
+            raise ValueError(
+                "verify=True reads back what was staged, which install_method='aside' does not keep (it builds the "
+                "model's new layers instead); nothing was written. Use install_method='reload' to verify."
+            )
         if delta:
             refusal = self._delta_refusal(can)
             if refusal is not None:
@@ -126,4 +140,6 @@ class InstallerOptions:
                 "delta installs need commit='atomic': a streaming install writes while it receives, so the workers "
                 "keep no copy of what they serve"
             )
+        if self.install_method == "aside":
+            return "delta installs rebuild tensors from the workers' copy, which install_method='aside' does not keep"
         return None

@@ -62,7 +62,7 @@ class SessionOptions(pydantic.BaseModel):
     manifest: str = pydantic.Field(default="", max_length=64 << 20)
     """The manifest (JSON) of what crosses: the update, or, with ``delta``, the delta's wire tensors (empty for a
     delta that changes nothing, or when an in-process caller hands the manifest over by reference)."""
-    method: Literal["auto", "direct", "reload"] = "auto"
+    method: Literal["auto", "direct", "reload", "aside"] = "auto"
     commit: Literal["atomic", "streaming"] = "atomic"
     delta: str | None = pydantic.Field(default=None, max_length=64 << 20)
     """A :class:`~hotweights.core.delta.DeltaManifest` (JSON): apply it to the kept copy instead."""
@@ -132,8 +132,13 @@ class WorkerSession:
             options = SessionOptions.parse(options)
         elif not isinstance(options, SessionOptions):
             raise ValueError(f"malformed session options: JSON text expected, not {type(options).__name__}")
-        if options.commit == "streaming" and options.verify:
-            raise ValueError("verify needs an atomic commit: a streaming install keeps no copy of what it wrote")
+        if (options.commit == "streaming" or options.method == "aside") and options.verify:
+            raise ValueError(
+                "verify needs an atomic commit through 'reload' or 'direct': a streaming or aside install keeps no "
+                "copy of what it received"
+            )
+        if options.method == "aside" and (options.commit != "atomic" or options.delta is not None):
+            raise ValueError("install_method='aside' is an atomic commit of a full update (no streaming, no delta)")
         given: str | WeightUpdateManifest = manifest if manifest is not None else options.manifest
         opened = self._begin_delta(options, given) if options.delta is not None else self._begin_full(options, given)
         if options.keep_base:
@@ -176,7 +181,7 @@ class WorkerSession:
             chosen[:] = choose_method(self._model, manifest.tensors, options.method)
             return chosen[0], chosen[1], chosen[2]
 
-        if options.commit == "atomic":
+        if options.commit == "atomic" and options.method != "aside":
             update_id = self.staging.begin(given)  # checks first, then drops a session left open
             self._opened(options, update_id)
             session = self.staging.current(update_id)
@@ -199,7 +204,7 @@ class WorkerSession:
             self._opened(options, update_id)
             session = self.staging.current(update_id)
             session.method, session.method_reason = chosen[1], chosen[2]
-            self.base.forget()  # a streaming install writes as it receives: the copy cannot follow it
+            self.base.forget()  # a stream keeps no copy of what it received: the kept copy cannot follow it
         return {"ok": True, "update_id": update_id, "method": session.method, "reason": session.method_reason}
 
     def _opened(self, options: SessionOptions, update_id: str, delta: DeltaManifest | None = None) -> None:
@@ -328,6 +333,9 @@ class WorkerSession:
         session = self.staging.current(update_id)
         if session.stream is not None:
             self.staging.check_complete(update_id)
+            prepare = getattr(session.stream, "prepare", None)
+            if callable(prepare):  # a stream into a twin of the model finishes it here, nothing live touched
+                prepare()
             return session, ()
         items, session = self.staging.take(update_id)
         return session, items

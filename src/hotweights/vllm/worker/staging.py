@@ -153,12 +153,19 @@ class StagingArea:
         from hotweights.core.cast import item_names
 
         session = self.current(update_id)
-        if session.stream is not None or session.received:
+        aside = getattr(session.stream, "builds_aside", False)
+        if (session.stream is not None and not aside) or session.received:
             raise RuntimeError(f"update {update_id}: tensors by reference go into an atomic session, all at once")
         names = item_names(tensors)
         if names != list(session.manifest.tensors):
             raise ValueError(f"update {update_id}: the tensors staged by reference are not the manifest's")
-        session.by_reference = tensors
+        if aside:  # built into the model's twin now, while the engine serves
+            from hotweights.core.cast import lazy_mapping
+
+            assert session.stream is not None
+            session.stream.feed(lazy_mapping(tensors))  # type: ignore[arg-type]
+        else:
+            session.by_reference = tensors
         session.received.update(names)
         session.nbytes = session.manifest.total_bytes
         return session.nbytes

@@ -43,13 +43,18 @@ class Stream(Protocol):
 
 
 def open_stream(worker: Any, manifest: WeightUpdateManifest, method: str, *, kv_reclaimable: bool = False) -> Stream:
-    """A stream for ``method`` (``"reload"`` or ``"direct"``) into ``worker``'s model (``kv_reclaimable``: see
-    :class:`~hotweights.vllm.worker.session.SessionOptions`)."""
+    """A stream for ``method`` into ``worker``'s model: ``"reload"``, ``"direct"``, or ``"aside"`` (into a twin of
+    the model, swapped in at the commit: :mod:`hotweights.vllm.worker.aside`). ``kv_reclaimable``: see
+    :class:`~hotweights.vllm.worker.session.SessionOptions`."""
     if method == "reload":
         return ReloadStream(worker, kv_reclaimable=kv_reclaimable)
     if method == "direct":
         return DirectStream(worker, manifest)
-    raise ValueError(f"unknown install method {method!r}; use 'reload' or 'direct'")
+    if method == "aside":
+        from hotweights.vllm.worker.aside import AsideStream
+
+        return AsideStream(worker)
+    raise ValueError(f"unknown install method {method!r}; use 'reload', 'direct' or 'aside'")
 
 
 class ReloadStream:

@@ -1,0 +1,41 @@
+"""InstallerOptions: the rules for buckets in flight and the aside method, checked once when an installer is built."""
+
+from __future__ import annotations
+
+import pytest
+
+from hotweights.adapters.options import InstallerOptions, PathAbilities
+from hotweights.core.errors import EngineNotSupportedError
+
+PATH = PathAbilities("multiprocess-shm", reads_back=True, deltas=True, releases_segments=True)
+
+
+@pytest.mark.parametrize("depth", [0, -1, 9])
+def test_buckets_in_flight_is_bounded(depth: int) -> None:
+    with pytest.raises(ValueError, match="buckets_in_flight must be between 1 and 8"):
+        InstallerOptions(buckets_in_flight=depth).validate(PATH)
+
+
+@pytest.mark.parametrize("depth", [None, 1, 2, 8])
+def test_buckets_in_flight_in_bounds(depth: int | None) -> None:
+    InstallerOptions(buckets_in_flight=depth).validate(PATH)
+
+
+def test_aside_is_an_atomic_commit() -> None:
+    with pytest.raises(ValueError, match="atomic commit"):
+        InstallerOptions(install_method="aside", commit="streaming").validate(PATH)
+    InstallerOptions(install_method="aside").validate(PATH)
+
+
+def test_aside_refuses_verify_and_delta() -> None:
+    aside = InstallerOptions(install_method="aside")
+    with pytest.raises(ValueError, match="verify=True reads back"):
+        aside.check_call(True, False, PATH)
+    with pytest.raises(EngineNotSupportedError, match="aside"):
+        aside.check_call(None, True, PATH)
+    assert aside.check_call(None, False, PATH) is False
+
+
+def test_unknown_method_names_the_four() -> None:
+    with pytest.raises(ValueError, match="'auto', 'reload', 'direct' or 'aside'"):
+        InstallerOptions(install_method="fast").validate(PATH)  # type: ignore[arg-type]
