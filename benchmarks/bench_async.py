@@ -168,16 +168,24 @@ async def run_profile(
     elapsed, tokens = time.perf_counter() - start, load.tokens - tokens0
     load.stop = True
     await asyncio.gather(*streams)
+    gap = statistics.median(longest_gap(load, i) for i in installs) if installs else 0.0
     mixed = sum(1 for o in load.finished if hotweights.weight_versions_of(o).mixed)
+    return summary(profile, tokens / elapsed, installs, gap, mixed, len(load.finished))
+
+
+def summary(
+    profile: str, tok_s: float, installs: list[Install], gap_s: float, mixed: int, requests: int
+) -> dict[str, Any]:
+    """One profile's row: its rate, and the medians over its installs."""
     return {
         "profile": profile,
-        "tok_s": tokens / elapsed,
+        "tok_s": tok_s,
         "installs": len(installs),
         "install_s": statistics.median(i.end - i.start for i in installs) if installs else 0.0,
         "stall_s": statistics.median(i.stall_s for i in installs) if installs else 0.0,
-        "gap_s": statistics.median(longest_gap(load, i) for i in installs) if installs else 0.0,
+        "gap_s": gap_s,
         "mixed": mixed,
-        "requests": len(load.finished),
+        "requests": requests,
     }
 
 
@@ -220,16 +228,7 @@ def run_llm_profile(
     finally:
         load.stop = True
         thread.join()
-    return {
-        "profile": profile,
-        "tok_s": tokens / elapsed,
-        "installs": len(installs),
-        "install_s": statistics.median(i.end - i.start for i in installs) if installs else 0.0,
-        "stall_s": statistics.median(i.stall_s for i in installs) if installs else 0.0,
-        "gap_s": float("nan"),
-        "mixed": 0,
-        "requests": len(load.finished),
-    }
+    return summary(profile, tokens / elapsed, installs, float("nan"), 0, len(load.finished))
 
 
 def _print_row(row: dict[str, Any]) -> None:

@@ -5,9 +5,10 @@ weights; the commit swaps the twin's layers in.
 module copied shallowly, with its own parameter, buffer and child tables, so vLLM's layerwise reload can put the
 twin's tensors on ``meta``, load the new weights and run each layer's post-load processing (on CPU, the re-packing
 into oneDNN's layout) without touching a live module. ``prepare`` finishes the layers vLLM processes last and
-re-ties shared weights (a tied LM head) inside the twin. ``commit`` then moves each processed layer's tensors and
-derived attributes (a packed handle, a quant method's state) into the live module: dictionary updates, no
-tensor is copied or processed while generation is held.
+re-ties shared weights (a tied LM head) inside the twin. ``commit`` then moves each processed layer's derived
+attributes (a packed handle, a quant method's state) into the live module, and its tensors: one whose shape, dtype
+and device did not change keeps its identity and takes the new values (a copy, as vLLM's own reload makes, so a
+kernel that holds it sees them), any other is replaced. Nothing is loaded or processed while generation is held.
 
 Cost: the engine holds the new weights, processed, beside the old ones from the first bucket until the commit
 (about one more copy of the model). ``abort`` drops the twin; the live model was never touched.
@@ -91,6 +92,7 @@ class Twin:
             layerwise.LAYERWISE_INFO.pop(copied, None)
         self.pairs.clear()
         self.initial.clear()
+        self.clones.clear()
         self.twin_of.clear()
         self.live_of.clear()
 
@@ -134,14 +136,18 @@ class AsideStream:
         if self.twin is None:
             apply_vllm_fixes()  # MoE experts re-packed as their layers complete
             twin = Twin(self.model)
-            for live, copied in twin.pairs:
-                _give_reload_info(layerwise, live, copied, twin)
-                _own_tensors(twin, live, copied)  # what vLLM loads in place (biases) is the twin's own copy
-            layerwise.initialize_layerwise_reload(twin.root)
-            for live, copied in twin.pairs:
-                # processed layers keep their new tensors: never copied into the live ones
-                layerwise.get_layerwise_info(copied).kernel_tensors = None
-                _refuse_shared(live, copied)
+            try:
+                for live, copied in twin.pairs:
+                    _give_reload_info(layerwise, live, copied, twin)
+                    _own_tensors(twin, live, copied)  # what vLLM loads in place (biases) is the twin's own copy
+                layerwise.initialize_layerwise_reload(twin.root)
+                for live, copied in twin.pairs:
+                    # processed layers keep their new tensors: never copied into the live ones
+                    layerwise.get_layerwise_info(copied).kernel_tensors = None
+                    _refuse_shared(live, copied)
+            except BaseException:
+                twin.drop()
+                raise
             self.twin = twin
         marked = mark_weight_update(True)
         try:
