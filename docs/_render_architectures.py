@@ -15,6 +15,7 @@ PATHS = [
     "extension reload atomic",
     "extension reload streaming",
     "extension direct atomic",
+    "extension aside atomic",
     "extension delta",
     "verify reads back",
 ]

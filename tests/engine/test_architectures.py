@@ -184,7 +184,7 @@ def test_zero_config(variant: Variant, checkpoint: Checkpoints, multiprocess: Ca
 def test_extension_every_method(
     variant: Variant, checkpoint: Callable[[Variant, int], TinyCheckpoint], multiprocess: Callable[..., Any]
 ) -> None:
-    """The worker extension: auto, reload and direct, atomic and streaming, delta, and the read-back."""
+    """The worker extension: auto, reload, direct and aside, atomic and streaming, delta, and the read-back."""
     a, b = checkpoint(variant, 1), checkpoint(variant, 2)
     llm = multiprocess(a.path, variant.vllm_dtype, worker_extension_cls=hotweights.WORKER_EXTENSION)
     versions = itertools.count(1)
@@ -192,7 +192,7 @@ def test_extension_every_method(
     report = a_to_b_to_a(llm, a, b, versions, **options)
     assert report.adapter == "multiprocess-shm"
     _record(variant, "extension auto", f"exact ({report.install_method})")
-    for method, commit in (("reload", "atomic"), ("reload", "streaming"), ("direct", "atomic")):
+    for method, commit in (("reload", "atomic"), ("reload", "streaming"), ("direct", "atomic"), ("aside", "atomic")):
         adapter = VLLMMultiprocessAdapter(llm, install_method=method, commit=commit, bucket_bytes=200_000)
         adapter.active_weight_version = next(versions)
         path = f"extension {method} {commit}"
