@@ -34,11 +34,12 @@ $(STAMP031): pyproject.toml Makefile
 ## LLM), an in-process engine woken weights-first, AsyncLLM (with and without the extension), vLLM's weight-transfer
 ## API (hotweights' backend), a MoE family (Qwen3-MoE in-process and zero-config) and a tied one (Llama in-process),
 ## the family guard (every family is unproven on 0.31: these installs are probed; AsyncLLM ones trusted), and the
-## version shims' unit tests. ~4.5 min on 2 cores
+## version shims' unit tests, installs built aside. ~3.5 min on 2 cores
 VLLM031_TESTS := tests/engine/test_inprocess_reload.py tests/engine/test_multiprocess.py tests/engine/test_any_llm.py \
 	tests/engine/test_async_llm.py tests/engine/test_architectures.py tests/engine/test_family_guard.py \
-	tests/engine/test_native_backend.py tests/unit/test_vllm_versions.py tests/unit/test_contract.py
-VLLM031_K := test_vllm_versions or test_contract or (test_inprocess_reload and float32-untied) or (test_multiprocess and not killed) \
+	tests/engine/test_native_backend.py tests/unit/test_vllm_versions.py tests/unit/test_contract.py \
+	tests/engine/test_aside.py
+VLLM031_K := test_aside or test_vllm_versions or test_contract or (test_inprocess_reload and float32-untied) or (test_multiprocess and not killed) \
 	or (test_any_llm and (plain or inprocess_sleep)) or test_async_llm or test_family_guard or test_native_backend \
 	or (test_architectures and ((test_inprocess and (qwen3_moe or llama-float32-tied)) or (test_zero_config and qwen3_moe)))
 test-vllm031: $(STAMP031)

@@ -79,6 +79,7 @@ PATHS: dict[str, Callable[[Any], WeightInstallAdapter]] = {
     "zero-config": lambda llm: VLLMWeightsPathAdapter(llm),
     "multiprocess-shm": lambda llm: VLLMMultiprocessAdapter(llm, bucket_bytes=40_000),
     "direct": lambda llm: VLLMMultiprocessAdapter(llm, install_method="direct"),
+    "aside": lambda llm: VLLMMultiprocessAdapter(llm, install_method="aside", bucket_bytes=40_000),
     "streaming-direct-kept": lambda llm: VLLMMultiprocessAdapter(
         llm,
         transport=make_transport("shm", keep_segments=True),
