@@ -459,7 +459,8 @@ class Transport(WeightTransport):
             try:
                 stage({"transport": self.name, "path": str(file.path), "nbytes": bucket.nbytes})
             except BaseException:
-                _close_files(self._files, bucket.index)  # a worker may still be reading it: start afresh next time
+                with self._lock:  # a worker may still be reading it: start afresh next time
+                    _close_files(self._files, bucket.index)
                 raise
             return
         _, path, fd = _new_file(size)  # locked (so never swept) until _remove
