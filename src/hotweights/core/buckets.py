@@ -19,12 +19,14 @@ __all__ = [
     "ALIGNMENT",
     "Bucket",
     "BucketEntry",
+    "Packer",
     "bucket_problems",
     "byte_views",
     "default_bucket_bytes",
     "layer_key",
     "pack_into",
     "plan_buckets",
+    "row_cuts",
     "rows_of",
     "unpack",
     "unpack_parts",
@@ -122,29 +124,56 @@ def plan_buckets(
     limit = default_bucket_bytes() if bucket_bytes is None else bucket_bytes
     if limit <= 0:
         raise ValueError(f"bucket_bytes must be positive, got {limit}")
-    buckets: list[Bucket] = []
-    entries: list[BucketEntry] = []
-    used = 0
-
-    def close() -> None:
-        nonlocal entries, used
-        buckets.append(Bucket(index=len(buckets), nbytes=used, entries=tuple(entries)))
-        entries, used = [], 0
-
+    packer = Packer(limit)
     for group in _groups(manifest, whole_layers):
-        if entries and _align(used) + _span(n for _, n in group) > limit:
-            close()  # the whole block fits in a fresh bucket, or nowhere: never start it at the end of this one
+        if not packer.fits(_span(n for _, n in group)):
+            packer.close()  # the whole block fits in a fresh bucket, or nowhere: never start it at the end of this one
         for name, n in group:
             for rows, size in _parts(manifest, name, n, limit, split):
-                start = _align(used)
-                if entries and start + size > limit:
-                    close()
-                    start = 0
-                entries.append(BucketEntry(name=name, offset=start, nbytes=size, rows=rows))
-                used = start + size
-    if entries:
-        close()
-    return buckets
+                packer.add(name, rows, size)
+    return packer.done()
+
+
+class Packer:
+    """Greedy, order-preserving packing of entries (a tensor, or rows of one) into buckets of at most ``limit``
+    bytes, each entry at an aligned offset; an entry larger than ``limit`` gets a bucket of its own. Buckets are
+    numbered from ``first``."""
+
+    def __init__(self, limit: int, first: int = 0) -> None:
+        self.limit = limit
+        self.buckets: list[Bucket] = []
+        self._first = first
+        self._entries: list[BucketEntry] = []
+        self._used = 0
+
+    def fits(self, nbytes: int) -> bool:
+        """Whether ``nbytes`` more fit in the open bucket (always, when it is empty)."""
+        return not self._entries or _align(self._used) + nbytes <= self.limit
+
+    def add(self, name: str, rows: tuple[int, int] | None, nbytes: int) -> None:
+        if not self.fits(nbytes):
+            self.close()
+        start = _align(self._used)
+        self._entries.append(BucketEntry(name=name, offset=start, nbytes=nbytes, rows=rows))
+        self._used = start + nbytes
+
+    def close(self) -> None:
+        """End the open bucket, if it holds anything."""
+        if self._entries:
+            index = self._first + len(self.buckets)
+            self.buckets.append(Bucket(index=index, nbytes=self._used, entries=tuple(self._entries)))
+            self._entries, self._used = [], 0
+
+    def done(self) -> list[Bucket]:
+        self.close()
+        return self.buckets
+
+
+def row_cuts(start: int, stop: int, row_bytes: int, limit: int) -> list[tuple[int, int]]:
+    """Rows ``[start, stop)`` cut into runs of at most ``limit`` bytes (one row at least; all of them when a row
+    holds no bytes)."""
+    step = max(1, limit // row_bytes) if row_bytes else max(1, stop - start)
+    return [(a, min(a + step, stop)) for a in range(start, stop, step)]
 
 
 def _parts(
@@ -155,8 +184,7 @@ def _parts(
     if nbytes <= limit or split is None or not shape or shape[0] < 2 or not split(name):
         return [(None, nbytes)]
     row = nbytes // shape[0]
-    step = max(1, limit // row) if row else shape[0]
-    return [((a, min(a + step, shape[0])), (min(a + step, shape[0]) - a) * row) for a in range(0, shape[0], step)]
+    return [((a, b), (b - a) * row) for a, b in row_cuts(0, shape[0], row, limit)]
 
 
 def _groups(manifest: WeightUpdateManifest, whole_layers: bool) -> list[list[tuple[str, int]]]:

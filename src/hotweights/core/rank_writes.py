@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from hotweights.core.buckets import Bucket, BucketEntry, _align
+from hotweights.core.buckets import Bucket, Packer, row_cuts
 from hotweights.core.errors import InstallError
 from hotweights.core.manifest import WeightUpdateManifest
 
@@ -63,14 +63,15 @@ class RankWrites:
                 continue
             self.sources[name] = shares[0]
             row = spec.expected_nbytes // spec.shape[0]
-            step = max(1, bucket_bytes // row) if row else spec.shape[0]
             for rank, lo, hi in shares[1]:
-                for a in range(lo, hi, step):
-                    b = min(a + step, hi)
+                for a, b in row_cuts(lo, hi, row, bucket_bytes):
                     groups.setdefault(rank, []).append((name, (a, b), (b - a) * row))
         plan: list[Bucket] = []
         for rank in sorted(groups, key=lambda r: (r != _GATHERED, r)):
-            for bucket in _pack(groups[rank], bucket_bytes, len(plan)):
+            packer = Packer(bucket_bytes, first=len(plan))
+            for entry in groups[rank]:
+                packer.add(*entry)
+            for bucket in packer.done():
                 self.owner[bucket.index] = rank
                 plan.append(bucket)
         return plan
@@ -138,23 +139,6 @@ class RankWrites:
             pass
 
 
-def _pack(entries: list[tuple[str, tuple[int, int] | None, int]], limit: int, first: int) -> list[Bucket]:
-    """Greedy, order-preserving buckets of at most ``limit`` bytes (an entry larger gets one of its own)."""
-    buckets: list[Bucket] = []
-    current: list[BucketEntry] = []
-    used = 0
-    for name, rows, size in entries:
-        start = _align(used)
-        if current and start + size > limit:
-            buckets.append(Bucket(index=first + len(buckets), nbytes=used, entries=tuple(current)))
-            current, start = [], 0
-        current.append(BucketEntry(name=name, offset=start, nbytes=size, rows=rows))
-        used = start + size
-    if current:
-        buckets.append(Bucket(index=first + len(buckets), nbytes=used, entries=tuple(current)))
-    return buckets
-
-
 def _ack(value: int, device: torch.device) -> torch.Tensor:
     return torch.tensor([value], dtype=torch.int64, device=device)
 
@@ -178,20 +162,15 @@ class _OwnRows(Mapping[str, torch.Tensor]):
     """This rank's rows of the tensors a bucket names (views of its shards: nothing is copied before the write)."""
 
     def __init__(self, sources: Mapping[str, int], items: list[tuple[str, Any]], group: Any) -> None:
-        from hotweights.core.sharded import _rows_per_rank
-
         self._sources, self._items, self._group = sources, items, group
-        self._me = dist.get_rank(group)
-        self._chunk = {n: _rows_per_rank(items[i][1], group) for n, i in sources.items()}
 
     def rows(self, name: str, start: int, stop: int) -> torch.Tensor:
-        chunk = self._chunk[name]
-        assert chunk is not None
-        first = self._me * chunk
-        local: torch.Tensor = self._items[self._sources[name]][1].to_local()
-        if not first <= start < stop <= first + local.shape[0]:
-            raise ValueError(f"rows [{start}, {stop}) of {name!r} are not this rank's")
-        return local[start - first : stop - first]
+        from hotweights.core.sharded import local_rows
+
+        try:
+            return local_rows(self._items[self._sources[name]][1], start, stop, self._group)
+        except ValueError as exc:
+            raise ValueError(f"{name!r}: {exc}") from None
 
     def __getitem__(self, name: str) -> torch.Tensor:
         raise KeyError(f"{name!r}: a rank writes rows of its shards only")

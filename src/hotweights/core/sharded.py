@@ -145,28 +145,35 @@ def _shares(tensor: Any, start: int, stop: int, group: Any) -> list[tuple[int, i
     return [(r, lo, hi) for r, lo, hi in spans if lo < hi]
 
 
+def local_rows(tensor: Any, start: int, stop: int, group: Any) -> torch.Tensor:
+    """Rows ``[start, stop)`` (global rows) of a dim-0 shard that this rank holds, as a view of its local shard;
+    ``ValueError`` when it does not hold them all."""
+    chunk = _rows_per_rank(tensor, group)
+    assert chunk is not None
+    first = dist.get_rank(group) * chunk
+    local: torch.Tensor = tensor.to_local()
+    if not first <= start < stop <= first + local.shape[0]:
+        raise ValueError(f"rows [{start}, {stop}) are not this rank's (it holds [{first}, {first + local.shape[0]}))")
+    return local[start - first : stop - first]
+
+
 def _send_rows(tensor: Any, start: int, stop: int, dst: int, group: Any) -> None:
     """A non-leading rank's share of rows ``[start, stop)``, sent to the leader (nothing when it holds none)."""
     me = dist.get_rank(group)
-    chunk = _rows_per_rank(tensor, group)
-    assert chunk is not None
     for r, lo, hi in _shares(tensor, start, stop, group):
         if r == me:
-            dist.send(tensor.to_local()[lo - r * chunk : hi - r * chunk].contiguous(), dst=dst, group=group)
+            dist.send(local_rows(tensor, lo, hi, group).contiguous(), dst=dst, group=group)
 
 
 def _gather_rows(tensor: Any, start: int, stop: int, group: Any, index: int) -> _Posted:
     """Start gathering rows ``[start, stop)`` of a dim-0 shard on the leader (this rank): each rank's share is
     received into its place, so the leader holds that part and nothing more."""
     me = dist.get_rank(group)
-    chunk = _rows_per_rank(tensor, group)
-    assert chunk is not None
-    local = tensor.to_local()
-    out = torch.empty((stop - start, *tensor.shape[1:]), dtype=tensor.dtype, device=local.device)
+    out = torch.empty((stop - start, *tensor.shape[1:]), dtype=tensor.dtype, device=tensor.to_local().device)
     works = []
     for r, lo, hi in _shares(tensor, start, stop, group):
         if r == me:
-            out[lo - start : hi - start].copy_(local[lo - r * chunk : hi - r * chunk])
+            out[lo - start : hi - start].copy_(local_rows(tensor, lo, hi, group))
         else:
             src = dist.get_global_rank(group, r) if group is not None else r
             works.append(dist.irecv(out[lo - start : hi - start], src=src, group=group))
@@ -451,10 +458,7 @@ class Gatherer:
         me = dist.get_rank(self._group)
         shares = _shares(source, start, stop, self._group)
         if [r for r, _, _ in shares] == [me]:
-            chunk = _rows_per_rank(source, self._group)
-            assert chunk is not None
-            own: torch.Tensor = source.to_local()[start - me * chunk : stop - me * chunk]
-            return own
+            return local_rows(source, start, stop, self._group)
         with self._lock:
             held = self._held_part
             if held is not None and held[:3] == (index, start, stop):  # read again (a second way of packing it)
