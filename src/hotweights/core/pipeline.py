@@ -13,8 +13,9 @@ Nothing here knows vLLM, buckets or transports: it orders callbacks.
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
 
@@ -58,6 +59,15 @@ class _Turnstile:
                 self.error = exc
             self._cond.notify_all()
 
+    @contextlib.contextmanager
+    def stopping(self) -> Iterator[None]:
+        """Run a block whose error stops the pipeline (and is raised)."""
+        try:
+            yield
+        except BaseException as exc:
+            self.fail(exc)
+            raise
+
 
 def send_pipelined(
     items: Sequence[B],
@@ -87,19 +97,13 @@ def send_pipelined(
         def stage_one(descriptor: D) -> None:
             nonlocal staged
             gate.wait_for(position)
-            try:
+            with gate.stopping():  # at once: the sends waiting for their turn stop before this one's clean-up
                 stage(item, descriptor)
-            except BaseException as exc:
-                gate.fail(exc)
-                raise
             staged = True
             gate.passed(position)
 
-        try:
+        with gate.stopping():
             send(item, stage_one)
-        except BaseException as exc:
-            gate.fail(exc)
-            raise
         if not staged:  # a send that returned without staging would hold every later bucket forever
             error = RuntimeError(f"the transport's send returned without staging item {position}")
             gate.fail(error)
