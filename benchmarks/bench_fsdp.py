@@ -1,6 +1,7 @@
 """FSDP2, 2 ranks: a sharded install (each DTensor gathered when it is sent) against gather-then-send.
 
-Two gloo processes hold the 150m model (Qwen2, fp32, 612 MB) with ``fully_shard`` on CPU; rank 0 also runs a
+Two gloo processes hold the 150m model (Qwen2, fp32, 612 MB; ``--size moe``: a Qwen3-MoE whose fused experts are
+larger than a bucket) with ``fully_shard`` on CPU; rank 0 also runs a
 multiprocess ``vllm.LLM`` with hotweights' worker extension. Measured, per rank, medians over ``--repeats``:
 
 - ``sharded``: ``hotweights.install(llm or None, model.state_dict(), ...)`` on both ranks, the ranks writing their own
@@ -36,6 +37,18 @@ import torch
 SIZES = {
     "tiny": {},
     "150m": {"hidden": 768, "layers": 12, "heads": 12, "kv_heads": 4, "intermediate": 3072, "vocab": 32000},
+    # a Qwen3-MoE whose fused experts (gate_up 64 MiB, down 32 MiB per layer) are larger than a 32 MiB bucket
+    "moe": {
+        "arch": "qwen3_moe",
+        "hidden": 512,
+        "layers": 4,
+        "heads": 8,
+        "kv_heads": 4,
+        "intermediate": 1024,
+        "vocab": 32000,
+        "experts": 16,
+        "moe_intermediate": 1024,
+    },
 }
 
 
@@ -157,7 +170,9 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = Path(tmp) / "model"
-        build_tiny_model("qwen2", seed=1, **SIZES[args.size]).save_pretrained(model_dir, safe_serialization=True)
+        size = dict(SIZES[args.size])
+        arch = size.pop("arch", "qwen2")
+        build_tiny_model(arch, seed=1, **size).save_pretrained(model_dir, safe_serialization=True)
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]

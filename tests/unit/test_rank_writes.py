@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 from typing import Any
 
+import pytest
 import torch
 
 from hotweights.core.manifest import WeightUpdateManifest
@@ -13,19 +14,24 @@ from hotweights.core.rank_writes import _GATHERED, RankWrites
 
 
 class Shards:
-    """Who holds which rows: ``embed`` and ``head`` split over 2 ranks at row 5; ``norm`` is gathered."""
+    """Who holds which rows: ``embed`` and ``head`` split over 2 ranks at row 5; ``norm`` is gathered; ``expert``
+    (a view of rows rank 1 holds, e.g. one expert of fused experts) is rank 1's to write whole."""
 
     def shares_of(self, tensor: torch.Tensor) -> tuple[int, list[tuple[int, int, int]]] | None:
         rows = tensor.shape[0]
-        return None if rows == 4 else (0, [(0, 0, 5), (1, 5, rows)])
+        return None if rows in (2, 4) else (0, [(0, 0, 5), (1, 5, rows)])
+
+    def view_of_rank(self, tensor: torch.Tensor) -> tuple[int, int, list[list[int]]] | None:
+        return (3, 1, [[2, 4], [4, 1], [8]]) if tensor.shape[0] == 2 else None
 
 
 def plan(bucket_bytes: int) -> tuple[RankWrites, Any, WeightUpdateManifest]:
     tensors = {"embed": torch.zeros(10, 4), "norm": torch.zeros(4), "head": torch.zeros(9, 4)}
+    tensors["expert"] = torch.zeros(2, 4)
     manifest = WeightUpdateManifest.from_state_dict(tensors, weight_version=1)
     writes = RankWrites.__new__(RankWrites)
     writes.gatherer, writes.items, writes.me = Shards(), tensors, 0  # type: ignore[assignment]
-    writes.owner, writes.sources, writes.buckets = {}, {}, 0
+    writes.owner, writes.sources, writes.views, writes.buckets = {}, {}, {}, 0
     return writes, writes.plan(manifest, bucket_bytes), manifest
 
 
@@ -38,7 +44,7 @@ def test_every_row_once_in_buckets_of_one_writer() -> None:
         assert bucket.nbytes <= 48
         for e in bucket.entries:
             if e.rows is None:
-                assert owner == _GATHERED
+                assert owner == (1 if e.name == "expert" else _GATHERED), (e.name, owner)
                 continue
             rows.setdefault(e.name, []).append(e.rows)
             assert owner == (0 if e.rows[1] <= 5 else 1), (e.name, e.rows, owner)  # the rank holding them
@@ -47,3 +53,28 @@ def test_every_row_once_in_buckets_of_one_writer() -> None:
         assert covered[0][0] == 0 and covered[-1][1] == manifest.tensors[name].shape[0]
         assert all(a[1] == b[0] for a, b in itertools.pairwise(covered)), covered
     assert [b.index for b in buckets] == list(range(len(buckets)))
+    assert writes.views == {"expert": [[2, 4], [4, 1], [8]]} and writes.sources["expert"] == 3
+
+
+class _Local:
+    """A rank's shard as a ``DTensor`` gives it (``to_local()``)."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+
+    def to_local(self) -> torch.Tensor:
+        return self.tensor
+
+
+def test_a_rank_writes_views_of_its_own_shard_only() -> None:
+    from hotweights.core.rank_writes import _OwnRows
+
+    shard = torch.arange(24.0).reshape(2, 3, 4)  # this rank's two experts
+    views = {"e1.up": [[3, 2], [4, 1], [14]], "bad": [[3, 2], [4, 1], [20]]}
+    rows = _OwnRows({"e1.up": 0, "bad": 0, "embed": 0}, [("fused", _Local(shard))], None, views)
+    got = rows["e1.up"]
+    assert torch.equal(got, shard[1, :, 2:4]) and got.data_ptr() == shard[1, 0, 2:].data_ptr()  # a view, no copy
+    with pytest.raises(ValueError, match=r"'bad': the view .* is not inside this rank's shard"):
+        rows["bad"]
+    with pytest.raises(KeyError, match="rows of its shards and views of them only"):
+        rows["embed"]

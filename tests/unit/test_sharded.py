@@ -83,9 +83,38 @@ def _run(rank: int, port: int, results: Any) -> None:
     else:
         out["report"] = follow(items, leader).weight_version
 
+    # 1b. Views of a fused tensor larger than the parts bound: read from parts of the rows they span (one row of
+    # 192 bytes here, two for the view across the ranks), each gathered alone; never the whole tensor.
+    from hotweights.core import sharded
+
+    parts: list[tuple[int, int]] = []
+    original = sharded._gather_rows
+
+    def gather_rows(tensor: Any, start: int, stop: int, group: Any, index: int) -> Any:
+        parts.append((start, stop))
+        return original(tensor, start, stop, group, index)
+
+    sharded._gather_rows = gather_rows  # type: ignore[assignment]
+    leader = agree(items, 6, rank == 0)
+    if rank == 0:
+        g = Gatherer(items, leader)
+        g.parts_at_most(200)
+        fused = dict(g.placeholders())["fused"]
+        views = [fused[e, h * 3 : h * 3 + 3] for e in range(4) for h in (0, 1)] + [fused[1:3].transpose(1, 2)]
+        full = torch.arange(4 * 6 * 8, dtype=torch.float32).reshape(4, 6, 8)
+        wanted = [full[e, h * 3 : h * 3 + 3] for e in range(4) for h in (0, 1)] + [full[1:3].transpose(1, 2)]
+        out["parts_values"] = [
+            torch.equal(g.load(f"v{i}", v), w) for i, (v, w) in enumerate(zip(views, wanted, strict=True))
+        ]
+        g.finish(_report(6))
+    else:
+        follow(items, leader)
+    sharded._gather_rows = original  # type: ignore[assignment]
+    out["parts"] = parts
+
     # 2. The leader's typed error reaches the other rank as the same class and message.
-    for error in (StaleWeightVersionError(6, 9), ValueError("bad option; nothing was written")):
-        leader = agree(items, 6, rank == 0)
+    for error in (StaleWeightVersionError(7, 9), ValueError("bad option; nothing was written")):
+        leader = agree(items, 7, rank == 0)
         try:
             if rank == 0:
                 Gatherer(items, leader).finish(error)
@@ -95,7 +124,7 @@ def _run(rank: int, port: int, results: Any) -> None:
             out.setdefault("errors", []).append(f"{type(exc).__name__}: {exc}")
 
     # 3. Disagreement and a missing leader: the same refusal on both ranks.
-    for version, leads in ((7 + rank, rank == 0), (8, False)):
+    for version, leads in ((8 + rank, rank == 0), (8, False)):
         try:
             agree(items, version, leads)
         except (WeightManifestValidationError, ValueError) as exc:
@@ -137,8 +166,12 @@ def test_leader_gathers_views_and_every_rank_ends_alike() -> None:
     assert lead["values"] == [True, True, True, True, True]
     assert lead["gathers"] == 3  # fused (read twice in a row: gathered once), rows, cols; never the plain tensor
     assert lead["report"] == other["report"] == 5
+    assert lead["parts_values"] == [True] * 9
+    # rows 0-1 are the leader's own (views of its shard); rows 2, then 3 (posted while row 2 was read), then 1-3 for
+    # the view across the ranks, then 3 again (posted as the next part, unused): never a whole-tensor gather
+    assert lead["parts"] == [(2, 3), (3, 4), (1, 3), (3, 4)], lead["parts"]
     assert lead["errors"] == other["errors"]
-    assert other["errors"][0].startswith("StaleWeightVersionError: weight_version 6 is not newer")
+    assert other["errors"][0].startswith("StaleWeightVersionError: weight_version 7 is not newer")
     assert other["errors"][1] == "ValueError: bad option; nothing was written"
     assert lead["refusals"] == other["refusals"] == ["WeightManifestValidationError", "ValueError"]
     assert lead["cut"] == [True, True, True, True]

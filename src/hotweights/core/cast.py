@@ -173,6 +173,13 @@ class _CastMapping(Mapping[str, torch.Tensor]):
         """Rows ``[start, stop)`` of ``name`` (:func:`hotweights.core.buckets.rows_of`)."""
         return self._items.rows(self._index[name], start, stop)
 
+    def parts_at_most(self, limit: int) -> None:
+        """Tell a source that gathers what it reads (a sharded state dict) the bucket size: it then reads views of
+        large tensors from parts of about ``limit`` bytes (see ``Gatherer.parts_at_most``)."""
+        bound = getattr(self._items.parts, "parts_at_most", None)
+        if callable(bound):
+            bound(limit)
+
     @property
     def reads_in_order(self) -> bool:
         """Whether reads must come one at a time, in the plan's order: a loader that gathers each tensor across

@@ -6,11 +6,14 @@ that bucket like its own, from the descriptor the rank sends back. Only descript
 cross the process group; the bytes go from each rank's memory to the engine.
 
 The leader's plan (:meth:`RankWrites.plan`) cuts every such tensor at the ranks' boundaries (and at the bucket
-size) and gives each rank buckets of its own rows. Tensors in any other layout are gathered as before, first.
+size) and gives each rank buckets of its own rows. A view of rows one rank holds (an expert of fused MoE experts)
+is that rank's to write whole: the payload carries its size, stride and offset in the rank's shard. Tensors in any
+other layout are gathered as before, first.
 :meth:`RankWrites.transfer` then interleaves: while the leader writes and stages a bucket of its own rows, another
 rank writes its next bucket. Protocol, per bucket of rank ``r``:
 
-1. the leader broadcasts ``(WRITE, r, n)`` and the ``n``-byte payload ``{"bucket": ..., "sources": {name: index}}``;
+1. the leader broadcasts ``(WRITE, r, n)`` and the ``n``-byte payload ``{"bucket": ..., "sources": {name: index},
+   "views": {name: [size, stride, [offset]]}}``;
 2. rank ``r`` writes the bucket (the ``write`` it was given: :func:`hotweights._install` passes the shm transport)
    and sends the descriptor (or ``{"error": ...}``) to the leader;
 3. the leader stages it on the engine and acknowledges (0: staged; 1: failed, the rank drops its file).
@@ -50,6 +53,7 @@ class RankWrites:
         self.me = dist.get_rank(gatherer._group)
         self.owner: dict[int, int] = {}  # bucket index -> group rank writing it (_GATHERED: the leader gathers)
         self.sources: dict[str, int] = {}  # checkpoint name -> index of its tensor in every rank's items
+        self.views: dict[str, list[list[int]]] = {}  # checkpoint name -> [size, stride, [offset]] in a local shard
         self.buckets = 0
         """Buckets other ranks wrote in the last transfer."""
 
@@ -58,6 +62,11 @@ class RankWrites:
         groups: dict[int, list[tuple[str, tuple[int, int] | None, int]]] = {}
         for name, spec in manifest.tensors.items():
             shares = self.gatherer.shares_of(self.items[name])
+            viewed = self.gatherer.view_of_rank(self.items[name]) if shares is None else None
+            if viewed is not None:  # a view of rows one rank holds: that rank writes it whole
+                self.sources[name], rank, self.views[name] = viewed
+                groups.setdefault(rank, []).append((name, None, spec.expected_nbytes))
+                continue
             if shares is None:
                 groups.setdefault(_GATHERED, []).append((name, None, spec.expected_nbytes))
                 continue
@@ -110,9 +119,9 @@ class RankWrites:
         if bucket is None:
             return None
         sources = {e.name: self.sources[e.name] for e in bucket.entries}
-        self.gatherer._announce(
-            WRITE, self.owner[bucket.index], {"bucket": bucket.model_dump_json(), "sources": sources}
-        )
+        views = {e.name: self.views[e.name] for e in bucket.entries if e.name in self.views}
+        message = {"bucket": bucket.model_dump_json(), "sources": sources, "views": views}
+        self.gatherer._announce(WRITE, self.owner[bucket.index], message)
         return bucket
 
     def _stage(self, bucket: Bucket, stage: Callable[[dict[str, Any]], None]) -> None:
@@ -159,10 +168,18 @@ def _receive(rank: int, g: Any) -> dict[str, Any]:
 
 # ---------------------------------------------------------------------------------------------- the other ranks
 class _OwnRows(Mapping[str, torch.Tensor]):
-    """This rank's rows of the tensors a bucket names (views of its shards: nothing is copied before the write)."""
+    """This rank's rows of the tensors a bucket names, and the views of them it names whole (an expert of fused
+    experts): views of its shards, nothing is copied before the write."""
 
-    def __init__(self, sources: Mapping[str, int], items: list[tuple[str, Any]], group: Any) -> None:
+    def __init__(
+        self,
+        sources: Mapping[str, int],
+        items: list[tuple[str, Any]],
+        group: Any,
+        views: Mapping[str, list[list[int]]] | None = None,
+    ) -> None:
         self._sources, self._items, self._group = sources, items, group
+        self._views = dict(views or {})
 
     def rows(self, name: str, start: int, stop: int) -> torch.Tensor:
         from hotweights.core.sharded import local_rows
@@ -173,7 +190,14 @@ class _OwnRows(Mapping[str, torch.Tensor]):
             raise ValueError(f"{name!r}: {exc}") from None
 
     def __getitem__(self, name: str) -> torch.Tensor:
-        raise KeyError(f"{name!r}: a rank writes rows of its shards only")
+        from hotweights.core.sharded import local_view
+
+        if name not in self._views:
+            raise KeyError(f"{name!r}: a rank writes rows of its shards and views of them only")
+        try:
+            return local_view(self._items[self._sources[name]][1], self._views[name])
+        except ValueError as exc:
+            raise ValueError(f"{name!r}: {exc}") from None
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._sources)
@@ -209,7 +233,7 @@ def write_for_leader(
             raise InstallError("this rank was given nothing to write buckets with")
         message = json.loads(payload.decode())
         bucket = Bucket.model_validate_json(message["bucket"])
-        write(bucket, _OwnRows(message["sources"], items, group), stage)
+        write(bucket, _OwnRows(message["sources"], items, group, message.get("views")), stage)
     except Exception as exc:
         if not sent:
             reply({"error": f"{type(exc).__name__}: {exc}"})

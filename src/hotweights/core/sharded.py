@@ -12,7 +12,9 @@ the others pass ``engine=None``. The protocol, on one process group:
    its index, then every rank joins the gather. An FSDP2 shard (dim 0, over the group's ranks) is gathered to the
    leader alone (``dist.gather``), so the other ranks allocate nothing; any other layout through ``full_tensor()``.
    The leader keeps the last gathered tensor (the checkpoint tensors a fused one is split into are read one after
-   another) and, while the transport packs it, already gathers the next one: two tensors at most.
+   another) and, while the transport packs it, already gathers the next one: two tensors at most. A tensor larger
+   than a bucket is gathered in parts of rows instead, and so are the views of one (:meth:`Gatherer.parts_at_most`);
+   a view of rows the leader holds is taken of its own shard.
    Because the leader names each gather, the order never has to be agreed in advance, and a gather never
    interleaves with another collective.
 3. :meth:`Gatherer.finish` / :func:`follow`: the leader broadcasts the end, then the report (JSON) or the error's
@@ -27,6 +29,7 @@ from __future__ import annotations
 import bisect
 import hashlib
 import json
+import math
 import socket
 import threading
 from collections import Counter
@@ -155,6 +158,17 @@ def local_rows(tensor: Any, start: int, stop: int, group: Any) -> torch.Tensor:
     if not first <= start < stop <= first + local.shape[0]:
         raise ValueError(f"rows [{start}, {stop}) are not this rank's (it holds [{first}, {first + local.shape[0]}))")
     return local[start - first : stop - first]
+
+
+def local_view(tensor: Any, view: Sequence[Sequence[int]]) -> torch.Tensor:
+    """A view ``[size, stride, [offset]]`` (:meth:`Gatherer.view_of_rank`) of this rank's local shard of ``tensor``;
+    ``ValueError`` when it does not lie inside that shard."""
+    size, stride, (offset,) = view
+    local: torch.Tensor = tensor.to_local()
+    end = offset + sum((n - 1) * s for n, s in zip(size, stride, strict=True)) + 1
+    if not local.is_contiguous() or offset < 0 or end > local.numel():
+        raise ValueError(f"the view {list(view)} is not inside this rank's shard (shape {tuple(local.shape)})")
+    return local.as_strided(list(size), list(stride), local.storage_offset() + offset)
 
 
 def _send_rows(tensor: Any, start: int, stop: int, dst: int, group: Any) -> None:
@@ -316,6 +330,7 @@ class Gatherer:
         self._ahead: _Posted | None = None
         self._ahead_rows: tuple[int, int] | None = None  # the part ``_ahead`` holds (None: a whole tensor)
         self._split: set[int] = set()  # tensors read in parts
+        self._part_bytes: int | None = None  # views of a dim-0 shard larger than this are read in parts
         self._held_part: tuple[int, int, int, torch.Tensor] | None = None  # the part read last
         self._lock = threading.Lock()
         self.gathers = 0
@@ -411,6 +426,12 @@ class Gatherer:
         index = self._source(tensor) if tensor.is_meta else None
         if index is None:
             return tensor
+        if tensor._base is not None:
+            mine = self.view_of_rank(tensor)
+            if mine is not None and mine[1] == dist.get_rank(self._group):  # rows the leader holds: nothing gathered
+                return local_view(self._sources[index][1], mine[2])
+            if self._in_parts(index):
+                return self._view_of_part(index, tensor)
         with self._lock:
             if self._held is None or self._held[0] != index:
                 self._held = self._held_part = None  # drop the previous one before taking the next
@@ -420,6 +441,38 @@ class Gatherer:
         if tensor._base is None:
             return full
         return full.as_strided(tensor.size(), tensor.stride(), tensor.storage_offset())
+
+    def parts_at_most(self, limit: int) -> None:
+        """Read a view of a dim-0 shard larger than ``limit`` bytes (an expert of fused MoE experts) from a part of
+        about ``limit`` bytes holding the view's rows (at least those rows), not from the whole tensor. The
+        installer passes its bucket size: the leader then holds at most two such parts (the one read and the
+        next), never the whole fused tensor."""
+        self._part_bytes = limit
+
+    def _in_parts(self, index: int) -> bool:
+        """Whether views of tensor ``index`` are read from parts (:meth:`parts_at_most`)."""
+        if self._part_bytes is None or index in self._cuts:
+            return False
+        source = self._sources[index][1]
+        nbytes = source.numel() * source.element_size()  # global: a DTensor's shape is the whole tensor's
+        return nbytes > self._part_bytes and _rows_per_rank(source, self._group) is not None
+
+    def _view_of_part(self, index: int, view: torch.Tensor) -> torch.Tensor:
+        """``view`` (of placeholder ``index``) taken of a part holding the rows it spans, gathered alone."""
+        base = view._base
+        assert base is not None and self._part_bytes is not None
+        row = math.prod(base.shape[1:])  # elements per row of the (contiguous) placeholder
+        first = view.storage_offset()
+        last = first + sum((n - 1) * s for n, s in zip(view.size(), view.stride(), strict=True) if n > 0)
+        lo, hi = first // row, last // row + 1
+        held = self._held_part
+        if held is not None and held[0] == index and held[1] <= lo and hi <= held[2]:
+            start, part = held[1], held[3]
+        else:
+            del held  # dropped before the next part is taken: two parts at most
+            rows = max(hi - lo, self._part_bytes // max(1, row * base.element_size()))
+            start, part = lo, self.load_rows(base, lo, min(int(base.shape[0]), lo + rows)).contiguous()
+        return part.as_strided(view.size(), view.stride(), part.storage_offset() + first - start * row)
 
     def splits(self, tensor: torch.Tensor) -> bool:
         """Whether ``tensor`` (a placeholder, not a view of one) is a dim-0 shard whose rows can be gathered alone:
@@ -441,6 +494,25 @@ class Gatherer:
         assert index is not None
         source = self._sources[index][1]
         return index, _shares(source, 0, int(source.shape[0]), self._group)
+
+    def view_of_rank(self, tensor: torch.Tensor) -> tuple[int, int, list[list[int]]] | None:
+        """For a view of a dim-0 shard whose rows one rank holds (an expert of fused MoE experts): its tensor's
+        index, that rank, and the view as ``[size, stride, [offset]]`` into the rank's local shard; None for any
+        other tensor."""
+        index = self._source(tensor) if tensor.is_meta and tensor._base is not None else None
+        if index is None or index in self._cuts or tensor.numel() == 0:
+            return None
+        source = self._sources[index][1]
+        chunk = _rows_per_rank(source, self._group)
+        if chunk is None:
+            return None
+        row = math.prod(source.shape[1:])  # elements per row (never index a DTensor: that is a collective)
+        first = int(tensor.storage_offset())
+        last = first + sum((n - 1) * s for n, s in zip(tensor.size(), tensor.stride(), strict=True))
+        rank = first // row // chunk
+        if last // row // chunk != rank:
+            return None  # across two ranks' rows: gathered
+        return index, rank, [[int(n) for n in tensor.size()], list(tensor.stride()), [first - rank * chunk * row]]
 
     def rank_writes(self) -> Any:
         """The leader's side of rank-parallel writes (:mod:`hotweights.core.rank_writes`), where every rank runs on
@@ -467,12 +539,11 @@ class Gatherer:
             self._held = self._held_part = None  # dropped before the next part is taken: two parts at most
             ahead, self._ahead = self._ahead, None
             rows, self._ahead_rows = self._ahead_rows, None
-            if ahead is not None:
-                part = ahead.result()  # a posted gather must finish on every rank, used or not
-                if not (ahead.source == index and rows == (start, stop)):
-                    part = self._post_rows(index, start, stop).result()
-            else:
-                part = self._post_rows(index, start, stop).result()
+            if ahead is not None and not (ahead.source == index and rows == (start, stop)):
+                ahead.result()  # a posted gather must finish on every rank, used or not: then it is dropped
+                ahead = None  # before the next part is taken
+            part = (ahead if ahead is not None else self._post_rows(index, start, stop)).result()
+            del ahead
             rows_total = int(self._sources[index][1].shape[0])
             if stop < rows_total:  # the install reads the parts in order: the next one, as large
                 following = (stop, min(rows_total, 2 * stop - start))
@@ -516,8 +587,9 @@ class Gatherer:
     def _post_next(self, index: int) -> None:
         """Start the gather of the sharded tensor after ``index`` (the order an install reads them in)."""
         at = bisect.bisect_right(self._sharded, index)
-        if at < len(self._sharded) and self._sharded[at] not in self._split:  # a split one is read in parts
-            self._ahead = self._post(self._sharded[at])
+        following = self._sharded[at] if at < len(self._sharded) else None
+        if following is not None and following not in self._split and not self._in_parts(following):
+            self._ahead = self._post(following)  # (a split one, or one whose views are read in parts: in parts)
 
     def finish(self, outcome: InstallReport | BaseException) -> None:
         """Tell every rank the install ended, and how (the report, or the error's envelope)."""
