@@ -444,9 +444,10 @@ class Gatherer:
 
     def parts_at_most(self, limit: int) -> None:
         """Read a view of a dim-0 shard larger than ``limit`` bytes (an expert of fused MoE experts) from a part of
-        about ``limit`` bytes holding the view's rows (at least those rows), not from the whole tensor. The
-        installer passes its bucket size: the leader then holds at most two such parts (the one read and the
-        next), never the whole fused tensor."""
+        about half ``limit`` holding the view's rows (at least those rows), not from the whole tensor. The
+        installer passes its bucket size. The leader holds the part read and the next one, posted meanwhile; the
+        bucket being packed may still hold views of the one before: 1.5 buckets at most (three times a view's rows
+        where those are larger), never the whole fused tensor."""
         self._part_bytes = limit
 
     def _in_parts(self, index: int) -> bool:
@@ -470,7 +471,7 @@ class Gatherer:
             start, part = held[1], held[3]
         else:
             del held  # dropped before the next part is taken: two parts at most
-            rows = max(hi - lo, self._part_bytes // max(1, row * base.element_size()))
+            rows = max(hi - lo, self._part_bytes // 2 // max(1, row * base.element_size()))
             start, part = lo, self.load_rows(base, lo, min(int(base.shape[0]), lo + rows)).contiguous()
         return part.as_strided(view.size(), view.stride(), part.storage_offset() + first - start * row)
 
