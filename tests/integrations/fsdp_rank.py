@@ -105,10 +105,11 @@ def _chunk(name: str, tensor: torch.Tensor, rank: int, size: int) -> torch.Tenso
     return padded.narrow(dim, rank * rows, rows).clone()
 
 
-def tp_stage(llm: Any, rank: int, models: list[str], record: dict[str, Any]) -> None:
+def tp_stage(llm: Any, rank: int, models: list[str], record: dict[str, Any], stats: dict[str, Any]) -> None:
     """The ranks hold tensor-parallel chunks (plain tensors, checkpoint names as saved) of ``models`` in turn and
-    install them with ``layout=WeightLayout(tp_rank=rank, tp_size=2)``, versions 11, 12, ...; then both claim
-    tp_rank 0."""
+    install them with ``layout=WeightLayout(tp_rank=rank, tp_size=2)``, versions 11, 12, ...: the first with rank
+    writes (each rank writes the rows of its dim-0 chunks), the others with the leader gathering every chunk; then
+    both claim tp_rank 0."""
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
@@ -122,8 +123,12 @@ def tp_stage(llm: Any, rank: int, models: list[str], record: dict[str, Any]) -> 
     for version, path in enumerate(models, start=11):
         whole = load_file(str(Path(path) / "model.safetensors"))
         chunks = {k: _chunk(k, v, rank, 2) for k, v in whole.items()}
+        os.environ["HOTWEIGHTS_RANK_WRITES"] = "1" if version == 11 else "0"
+        stats.update(on=1, gathers=0, written=0)
         report = hotweights.install(llm, chunks, weight_version=version, layout=layout)
+        stats["on"] = 0
         entry: dict[str, Any] = {"report": report.model_dump(mode="json")}
+        entry.update(gathers=stats["gathers"], written=stats["written"])
         if llm is not None:
             reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
             entry["vllm"], entry["hf"] = greedy_vllm(llm), greedy_hf(reference)
@@ -233,7 +238,7 @@ def main() -> None:
         record["version_after_refusal"] = as_engine(llm).get_weight_version()
         record["after_refusal"] = greedy_vllm(llm)
     if args.tp_models:
-        tp_stage(llm, rank, args.tp_models.split(","), record)
+        tp_stage(llm, rank, args.tp_models.split(","), record, stats)
 
     # Rank 1 dies in the next install: as it starts its second bucket of its own rows (rank writes), or in its third
     # gather (the leader gathering); rank 0's install fails, nothing written.

@@ -140,11 +140,16 @@ def _run(rank: int, port: int, results: Any) -> None:
         problems = g.cut({"rows": (7, 3), "cols": (4, 6), "norm": (3,)}, 2)
         ph = dict(g.placeholders())
         got = [g.load(n, ph[n]) for n in ("rows", "cols", "norm")]
+        # a chunk cut along dim 0 is read in rows like a dim-0 shard (rows 2-3 its own, 4-6 from rank 1); not dim 1
+        shares = g.shares_of(ph["rows"]), g.shares_of(ph["cols"])
+        part = g.load_rows(ph["rows"], 2, 7)
         out["cut"] = [
             problems == [],
             torch.equal(got[0], full_rows),
             torch.equal(got[1], full_cols),
             got[2] is ph["norm"],
+            shares == ((0, [(0, 0, 4), (1, 4, 7)]), None),
+            torch.equal(part, full_rows[2:7]),
         ]
         g.finish(_report(9))
     else:
@@ -174,7 +179,7 @@ def test_leader_gathers_views_and_every_rank_ends_alike() -> None:
     assert other["errors"][0].startswith("StaleWeightVersionError: weight_version 7 is not newer")
     assert other["errors"][1] == "ValueError: bad option; nothing was written"
     assert lead["refusals"] == other["refusals"] == ["WeightManifestValidationError", "ValueError"]
-    assert lead["cut"] == [True, True, True, True]
+    assert lead["cut"] == [True] * 6
     assert lead["misplaced"] == other["misplaced"] and "rank(s) [1]" in other["misplaced"]
 
 

@@ -1,9 +1,10 @@
 """Rank-parallel writes of a sharded install: every rank writes its own rows, nobody gathers them.
 
 On one host, the engine's workers can read any rank's shared-memory files. So a rank can write the rows of an
-FSDP2 (``Shard(0)``) tensor it holds into a bucket file of its own. The leader (the rank holding the engine) stages
-that bucket like its own, from the descriptor the rank sends back. Only descriptors (JSON) and acknowledgements
-cross the process group; the bytes go from each rank's memory to the engine.
+FSDP2 (``Shard(0)``) tensor it holds, or of a tensor-parallel chunk cut along dim 0, into a bucket file of its
+own. The leader (the rank holding the engine) stages that bucket like its own, from the descriptor the rank sends
+back. Only descriptors (JSON) and acknowledgements cross the process group; the bytes go from each rank's memory
+to the engine.
 
 The leader's plan (:meth:`RankWrites.plan`) cuts every such tensor at the ranks' boundaries (and at the bucket
 size) and gives each rank buckets of its own rows. A view of rows one rank holds (an expert of fused MoE experts)

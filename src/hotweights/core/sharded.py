@@ -139,22 +139,38 @@ def _gather(tensor: Any, dst: int, group: Any, index: int = -1, *, leads: bool) 
     return _Posted(index, buffer[: tensor.shape[0]], work, local)  # torch.chunk fills the first ranks first
 
 
-def _shares(tensor: Any, start: int, stop: int, group: Any) -> list[tuple[int, int, int]]:
-    """Who holds rows ``[start, stop)`` of a dim-0 shard: (group rank, first row, end row), global rows."""
+def _chunk_rows(tensor: Any, group: Any) -> int:
+    """Rows of each rank's chunk of a dim-0 shard: an FSDP2 ``DTensor`` (:func:`_rows_per_rank`), or a plain
+    tensor-parallel chunk cut along dim 0 (every rank's as large, the last one padded)."""
+    cls = _dtensor()
+    if cls is None or not isinstance(tensor, cls):
+        return int(tensor.shape[0])
     chunk = _rows_per_rank(tensor, group)
     assert chunk is not None
+    return chunk
+
+
+def _local(tensor: Any) -> torch.Tensor:
+    """This rank's own tensor: a ``DTensor``'s local shard, or a plain chunk itself."""
+    cls = _dtensor()
+    local: torch.Tensor = tensor.to_local() if cls is not None and isinstance(tensor, cls) else tensor
+    return local
+
+
+def _shares(tensor: Any, start: int, stop: int, group: Any) -> list[tuple[int, int, int]]:
+    """Who holds rows ``[start, stop)`` (global rows, ``stop`` at most the tensor's) of a dim-0 shard or chunk:
+    (group rank, first row, end row)."""
+    chunk = _chunk_rows(tensor, group)
     world = dist.get_world_size(group)
-    spans = [(r, max(start, r * chunk), min(stop, (r + 1) * chunk, tensor.shape[0])) for r in range(world)]
+    spans = [(r, max(start, r * chunk), min(stop, (r + 1) * chunk)) for r in range(world)]
     return [(r, lo, hi) for r, lo, hi in spans if lo < hi]
 
 
 def local_rows(tensor: Any, start: int, stop: int, group: Any) -> torch.Tensor:
-    """Rows ``[start, stop)`` (global rows) of a dim-0 shard that this rank holds, as a view of its local shard;
-    ``ValueError`` when it does not hold them all."""
-    chunk = _rows_per_rank(tensor, group)
-    assert chunk is not None
-    first = dist.get_rank(group) * chunk
-    local: torch.Tensor = tensor.to_local()
+    """Rows ``[start, stop)`` (global rows) of a dim-0 shard or chunk that this rank holds, as a view of its own
+    tensor; ``ValueError`` when it does not hold them all."""
+    first = dist.get_rank(group) * _chunk_rows(tensor, group)
+    local = _local(tensor)
     if not first <= start < stop <= first + local.shape[0]:
         raise ValueError(f"rows [{start}, {stop}) are not this rank's (it holds [{first}, {first + local.shape[0]}))")
     return local[start - first : stop - first]
@@ -183,7 +199,7 @@ def _gather_rows(tensor: Any, start: int, stop: int, group: Any, index: int) -> 
     """Start gathering rows ``[start, stop)`` of a dim-0 shard on the leader (this rank): each rank's share is
     received into its place, so the leader holds that part and nothing more."""
     me = dist.get_rank(group)
-    out = torch.empty((stop - start, *tensor.shape[1:]), dtype=tensor.dtype, device=tensor.to_local().device)
+    out = torch.empty((stop - start, *tensor.shape[1:]), dtype=tensor.dtype, device=_local(tensor).device)
     works = []
     for r, lo, hi in _shares(tensor, start, stop, group):
         if r == me:
@@ -476,25 +492,28 @@ class Gatherer:
         return part.as_strided(view.size(), view.stride(), part.storage_offset() + first - start * row)
 
     def splits(self, tensor: torch.Tensor) -> bool:
-        """Whether ``tensor`` (a placeholder, not a view of one) is a dim-0 shard whose rows can be gathered alone:
-        then a tensor larger than a bucket travels in parts and the leader never holds it whole."""
+        """Whether ``tensor`` (a placeholder, not a view of one) is a dim-0 shard, or a tensor-parallel chunk cut
+        along dim 0, whose rows can be gathered alone: then a tensor larger than a bucket travels in parts and the
+        leader never holds it whole."""
         index = self._source(tensor) if tensor.is_meta and tensor._base is None else None
-        if index is None or index in self._cuts:
+        if index is None:
             return False
-        if _rows_per_rank(self._sources[index][1], self._group) is None:
+        if index in self._cuts:
+            if self._cuts[index][0] != 0:
+                return False
+        elif _rows_per_rank(self._sources[index][1], self._group) is None:
             return False
         self._split.add(index)
         return True
 
     def shares_of(self, tensor: torch.Tensor) -> tuple[int, list[tuple[int, int, int]]] | None:
-        """For a placeholder of a dim-0 shard (:meth:`splits`): its index and who holds which rows (group rank,
-        first row, end row); None for any other tensor."""
+        """For a placeholder of a dim-0 shard or chunk (:meth:`splits`): its index and who holds which rows (group
+        rank, first row, end row); None for any other tensor."""
         if not self.splits(tensor):
             return None
         index = self._source(tensor)
         assert index is not None
-        source = self._sources[index][1]
-        return index, _shares(source, 0, int(source.shape[0]), self._group)
+        return index, _shares(self._sources[index][1], 0, int(tensor.shape[0]), self._group)
 
     def view_of_rank(self, tensor: torch.Tensor) -> tuple[int, int, list[list[int]]] | None:
         """For a view of a dim-0 shard whose rows one rank holds (an expert of fused MoE experts): its tensor's
@@ -545,7 +564,7 @@ class Gatherer:
                 ahead = None  # before the next part is taken
             part = (ahead if ahead is not None else self._post_rows(index, start, stop)).result()
             del ahead
-            rows_total = int(self._sources[index][1].shape[0])
+            rows_total = int(self._placeholders[index][1].shape[0])
             if stop < rows_total:  # the install reads the parts in order: the next one, as large
                 following = (stop, min(rows_total, 2 * stop - start))
                 self._ahead, self._ahead_rows = self._post_rows(index, *following), following
