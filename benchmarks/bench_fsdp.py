@@ -12,6 +12,11 @@ multiprocess ``vllm.LLM`` with hotweights' worker extension. Measured, per rank,
 - ``gather-then-send``: every rank gathers the full state dict (``full_tensor()``), then rank 0 installs it: the
   gather time, the install time, and the same peak (the full copy counts: it is what that way costs).
 
+With ``--layout tp`` the ranks hold Megatron-style tensor-parallel chunks of the same model instead (plain tensors,
+``layout=WeightLayout(tp_rank=r, tp_size=2)``): ``sharded`` is then each rank writing its own chunks, ``sharded-gather``
+the leader gathering them, and ``gather-then-send`` rank 0 installing the whole tensors it read from disk (its gather
+time is 0).
+
 ``python benchmarks/bench_fsdp.py`` (``--size tiny`` for a smoke run). Prints one JSON line per rank and a table.
 """
 
@@ -99,13 +104,36 @@ def rank_main(args: argparse.Namespace) -> None:
     from torch.distributed.fsdp import fully_shard
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
-    mesh = init_device_mesh("cpu", (2,))
-    for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    options: dict[str, Any] = {}
+    if args.layout == "tp":
+        from safetensors.torch import load_file
+
+        from hotweights.testing import tp_chunk
+
+        whole = load_file(str(Path(args.model) / "model.safetensors"))
+        chunks = {k: tp_chunk(k, v, rank, 2) for k, v in whole.items()}
+        options["layout"] = hotweights.WeightLayout(tp_rank=rank, tp_size=2)
+
+        def state() -> dict[str, Any]:
+            return chunks
+
+        def full_state() -> dict[str, torch.Tensor]:
+            return whole
+    else:
+        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
+        mesh = init_device_mesh("cpu", (2,))
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+
+        def state() -> dict[str, Any]:
+            return model.state_dict()
+
+        def full_state() -> dict[str, torch.Tensor]:
+            return {k: t.full_tensor() for k, t in model.state_dict().items()}
+
     version = 1
-    hotweights.install(llm, model.state_dict(), weight_version=version)  # warm-up: segments, plans
+    hotweights.install(llm, state(), weight_version=version, **options)  # warm-up: segments, plans
     rows: dict[str, list[float]] = {
         "sharded_s": [],
         "sharded_peak": [],
@@ -122,7 +150,7 @@ def rank_main(args: argparse.Namespace) -> None:
             version += 1
             dist.barrier()
             report, seconds, peak = _peak_extra(
-                lambda v=version: hotweights.install(llm, model.state_dict(), weight_version=v)
+                lambda v=version: hotweights.install(llm, state(), weight_version=v, **options)
             )
             rows[f"{mode}_s"].append(seconds)
             rows[f"{mode}_peak"].append(peak)
@@ -132,7 +160,7 @@ def rank_main(args: argparse.Namespace) -> None:
 
         def gather_then_send(v: int = version) -> float:
             start = time.perf_counter()
-            full = {k: t.full_tensor() for k, t in model.state_dict().items()}
+            full = full_state()
             gathered = time.perf_counter() - start
             if llm is not None:
                 hotweights.install(llm, full, weight_version=v)
@@ -162,6 +190,7 @@ def main() -> None:
     parser.add_argument("--rank", type=int)
     parser.add_argument("--port", type=int)
     parser.add_argument("--model")
+    parser.add_argument("--layout", choices=("fsdp", "tp"), default="fsdp")
     args = parser.parse_args()
     if args.rank is not None:
         return rank_main(args)
@@ -180,7 +209,7 @@ def main() -> None:
         procs = []
         for r in range(2):
             command = [sys.executable, __file__, "--rank", str(r), "--port", str(port), "--model", str(model_dir)]
-            command += ["--repeats", str(args.repeats)]
+            command += ["--repeats", str(args.repeats), "--layout", args.layout]
             procs.append(
                 subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
             )

@@ -40,6 +40,7 @@ __all__ = [
     "start_engine",
     "stop_engine",
     "tiny_config",
+    "tp_chunk",
 ]
 
 Arch = Literal[
@@ -508,6 +509,26 @@ def build_tiny_model(
             elif name.endswith("sinks"):  # GPT-OSS attention sinks: one logit per head
                 p.copy_(torch.randn(p.shape, generator=gen))
     return model.to(dtype).eval()
+
+
+#: How a Megatron-style trainer cuts a checkpoint's tensors (Hugging Face names): column-parallel on dim 0,
+#: row-parallel on dim 1, the others (norms, routers) whole on every rank.
+_COLUMN = ("q_proj.", "k_proj.", "v_proj.", "gate_proj.", "up_proj.", "embed_tokens.", "lm_head.")
+_ROW = ("o_proj.weight", "down_proj.weight")
+
+
+def tp_chunk(name: str, tensor: torch.Tensor, rank: int, size: int) -> torch.Tensor:
+    """Rank ``rank`` of ``size``'s tensor-parallel chunk of checkpoint tensor ``name``, as a Megatron-style trainer
+    holds it: equal chunks along dim 0 (column-parallel) or dim 1 (row-parallel), the last one padded with zeros;
+    a copy of the whole tensor for the others."""
+    dim = 0 if any(k in name for k in _COLUMN) else 1 if any(k in name for k in _ROW) else None
+    if dim is None:
+        return tensor.clone()
+    rows = -(-tensor.shape[dim] // size)
+    pad = list(tensor.shape)
+    pad[dim] = rows * size - tensor.shape[dim]
+    padded = torch.cat([tensor, tensor.new_zeros(pad)], dim=dim)
+    return padded.narrow(dim, rank * rows, rows).clone()
 
 
 def save_tiny_model(model: Any, path: str | os.PathLike[str]) -> Path:

@@ -87,24 +87,6 @@ def _counting_gathers(stats: dict[str, int]) -> None:
     sharded.write_for_leader = write_for_leader  # type: ignore[assignment]
 
 
-#: How a Megatron-style trainer cuts a Qwen2's checkpoint tensors: column-parallel on dim 0, row-parallel on dim 1
-#: (the others, norms, whole on every rank).
-_COLUMN = ("q_proj.", "k_proj.", "v_proj.", "gate_proj.", "up_proj.", "embed_tokens.", "lm_head.")
-_ROW = ("o_proj.weight", "down_proj.weight")
-
-
-def _chunk(name: str, tensor: torch.Tensor, rank: int, size: int) -> torch.Tensor:
-    """This rank's tensor-parallel chunk of ``tensor``: equal chunks, the last one padded with zeros."""
-    dim = 0 if any(k in name for k in _COLUMN) else 1 if any(k in name for k in _ROW) else None
-    if dim is None:
-        return tensor.clone()
-    rows = -(-tensor.shape[dim] // size)
-    pad = list(tensor.shape)
-    pad[dim] = rows * size - tensor.shape[dim]
-    padded = torch.cat([tensor, tensor.new_zeros(pad)], dim=dim)
-    return padded.narrow(dim, rank * rows, rows).clone()
-
-
 def tp_stage(llm: Any, rank: int, models: list[str], record: dict[str, Any], stats: dict[str, Any]) -> None:
     """The ranks hold tensor-parallel chunks (plain tensors, checkpoint names as saved) of ``models`` in turn and
     install them with ``layout=WeightLayout(tp_rank=rank, tp_size=2)``, versions 11, 12, ...: the first with rank
@@ -115,14 +97,14 @@ def tp_stage(llm: Any, rank: int, models: list[str], record: dict[str, Any], sta
 
     import hotweights
     from hotweights.handles import as_engine
-    from hotweights.testing import greedy_hf, greedy_vllm
+    from hotweights.testing import greedy_hf, greedy_vllm, tp_chunk
 
     layout = hotweights.WeightLayout(tp_rank=rank, tp_size=2)
     record["tp"] = []
     chunks: dict[str, torch.Tensor] = {}
     for version, path in enumerate(models, start=11):
         whole = load_file(str(Path(path) / "model.safetensors"))
-        chunks = {k: _chunk(k, v, rank, 2) for k, v in whole.items()}
+        chunks = {k: tp_chunk(k, v, rank, 2) for k, v in whole.items()}
         os.environ["HOTWEIGHTS_RANK_WRITES"] = "1" if version == 11 else "0"
         stats.update(on=1, gathers=0, written=0)
         report = hotweights.install(llm, chunks, weight_version=version, layout=layout)

@@ -17,9 +17,11 @@ class Shards:
     """Who holds which rows: ``embed`` and ``head`` split over 2 ranks at row 5; ``norm`` is gathered; ``expert``
     (a view of rows rank 1 holds, e.g. one expert of fused experts) is rank 1's to write whole."""
 
-    def shares_of(self, tensor: torch.Tensor) -> tuple[int, list[tuple[int, int, int]]] | None:
+    def shares_of(self, tensor: torch.Tensor) -> tuple[int, list[tuple[int, int, int]], int] | None:
         rows = tensor.shape[0]
-        return None if rows in (2, 4) else (0, [(0, 0, 5), (1, 5, rows)])
+        if rows == 3:  # ``cols``: a tensor-parallel chunk cut along dim 1, columns 0-3 on rank 0, 4-5 on rank 1
+            return 4, [(0, 0, 4), (1, 4, 6)], 1
+        return None if rows in (2, 4) else (0, [(0, 0, 5), (1, 5, rows)], 0)
 
     def view_of_rank(self, tensor: torch.Tensor) -> tuple[int, int, list[list[int]]] | None:
         return (3, 1, [[2, 4], [4, 1], [8]]) if tensor.shape[0] == 2 else None
@@ -27,7 +29,7 @@ class Shards:
 
 def plan(bucket_bytes: int) -> tuple[RankWrites, Any, WeightUpdateManifest]:
     tensors = {"embed": torch.zeros(10, 4), "norm": torch.zeros(4), "head": torch.zeros(9, 4)}
-    tensors["expert"] = torch.zeros(2, 4)
+    tensors["expert"], tensors["cols"] = torch.zeros(2, 4), torch.zeros(3, 6)
     manifest = WeightUpdateManifest.from_state_dict(tensors, weight_version=1)
     writes = RankWrites.__new__(RankWrites)
     writes.gatherer, writes.items, writes.me = Shards(), tensors, 0  # type: ignore[assignment]
@@ -47,7 +49,12 @@ def test_every_row_once_in_buckets_of_one_writer() -> None:
                 assert owner == (1 if e.name == "expert" else _GATHERED), (e.name, owner)
                 continue
             rows.setdefault(e.name, []).append(e.rows)
-            assert owner == (0 if e.rows[1] <= 5 else 1), (e.name, e.rows, owner)  # the rank holding them
+            if e.name == "cols":  # columns of the rank holding them, cut at 4 columns (48 bytes) at most
+                assert e.dim == 1 and owner == (0 if e.rows[1] <= 4 else 1), (e.rows, owner)
+                assert e.nbytes == (e.rows[1] - e.rows[0]) * 3 * 4
+                continue
+            assert e.dim == 0 and owner == (0 if e.rows[1] <= 5 else 1), (e.name, e.rows, owner)  # the holder
+    assert sorted(rows["cols"]) == [(0, 4), (4, 6)]
     for name in ("embed", "head"):
         covered = sorted(rows[name])
         assert covered[0][0] == 0 and covered[-1][1] == manifest.tensors[name].shape[0]

@@ -60,22 +60,22 @@ class RankWrites:
 
     def plan(self, manifest: WeightUpdateManifest, bucket_bytes: int) -> list[Bucket]:
         """Buckets of one writer each: gathered tensors first, then each rank's rows (cut at ``bucket_bytes``)."""
-        groups: dict[int, list[tuple[str, tuple[int, int] | None, int]]] = {}
+        groups: dict[int, list[tuple[str, tuple[int, int] | None, int, int]]] = {}
         for name, spec in manifest.tensors.items():
             shares = self.gatherer.shares_of(self.items[name])
             viewed = self.gatherer.view_of_rank(self.items[name]) if shares is None else None
             if viewed is not None:  # a view of rows one rank holds: that rank writes it whole
                 self.sources[name], rank, self.views[name] = viewed
-                groups.setdefault(rank, []).append((name, None, spec.expected_nbytes))
+                groups.setdefault(rank, []).append((name, None, spec.expected_nbytes, 0))
                 continue
             if shares is None:
-                groups.setdefault(_GATHERED, []).append((name, None, spec.expected_nbytes))
+                groups.setdefault(_GATHERED, []).append((name, None, spec.expected_nbytes, 0))
                 continue
-            self.sources[name] = shares[0]
-            row = spec.expected_nbytes // spec.shape[0]
-            for rank, lo, hi in shares[1]:
+            self.sources[name], spans, dim = shares
+            row = spec.expected_nbytes // spec.shape[dim]  # bytes per row (column) of the cut dimension
+            for rank, lo, hi in spans:
                 for a, b in row_cuts(lo, hi, row, bucket_bytes):
-                    groups.setdefault(rank, []).append((name, (a, b), (b - a) * row))
+                    groups.setdefault(rank, []).append((name, (a, b), (b - a) * row, dim))
         plan: list[Bucket] = []
         for rank in sorted(groups, key=lambda r: (r != _GATHERED, r)):
             packer = Packer(bucket_bytes, first=len(plan))
@@ -182,11 +182,11 @@ class _OwnRows(Mapping[str, torch.Tensor]):
         self._sources, self._items, self._group = sources, items, group
         self._views = dict(views or {})
 
-    def rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+    def rows(self, name: str, start: int, stop: int, dim: int = 0) -> torch.Tensor:
         from hotweights.core.sharded import local_rows
 
         try:
-            return local_rows(self._items[self._sources[name]][1], start, stop, self._group)
+            return local_rows(self._items[self._sources[name]][1], start, stop, self._group, dim)
         except ValueError as exc:
             raise ValueError(f"{name!r}: {exc}") from None
 

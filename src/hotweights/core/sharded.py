@@ -139,12 +139,12 @@ def _gather(tensor: Any, dst: int, group: Any, index: int = -1, *, leads: bool) 
     return _Posted(index, buffer[: tensor.shape[0]], work, local)  # torch.chunk fills the first ranks first
 
 
-def _chunk_rows(tensor: Any, group: Any) -> int:
+def _chunk_rows(tensor: Any, group: Any, dim: int = 0) -> int:
     """Rows of each rank's chunk of a dim-0 shard: an FSDP2 ``DTensor`` (:func:`_rows_per_rank`), or a plain
-    tensor-parallel chunk cut along dim 0 (every rank's as large, the last one padded)."""
+    tensor-parallel chunk cut along ``dim`` (every rank's as large, the last one padded)."""
     cls = _dtensor()
     if cls is None or not isinstance(tensor, cls):
-        return int(tensor.shape[0])
+        return int(tensor.shape[dim])
     chunk = _rows_per_rank(tensor, group)
     assert chunk is not None
     return chunk
@@ -157,23 +157,24 @@ def _local(tensor: Any) -> torch.Tensor:
     return local
 
 
-def _shares(tensor: Any, start: int, stop: int, group: Any) -> list[tuple[int, int, int]]:
-    """Who holds rows ``[start, stop)`` (global rows, ``stop`` at most the tensor's) of a dim-0 shard or chunk:
-    (group rank, first row, end row)."""
-    chunk = _chunk_rows(tensor, group)
+def _shares(tensor: Any, start: int, stop: int, group: Any, dim: int = 0) -> list[tuple[int, int, int]]:
+    """Who holds rows ``[start, stop)`` (global rows of ``dim``, ``stop`` at most the tensor's) of a dim-0 shard or
+    of a chunk: (group rank, first row, end row)."""
+    chunk = _chunk_rows(tensor, group, dim)
     world = dist.get_world_size(group)
     spans = [(r, max(start, r * chunk), min(stop, (r + 1) * chunk)) for r in range(world)]
     return [(r, lo, hi) for r, lo, hi in spans if lo < hi]
 
 
-def local_rows(tensor: Any, start: int, stop: int, group: Any) -> torch.Tensor:
-    """Rows ``[start, stop)`` (global rows) of a dim-0 shard or chunk that this rank holds, as a view of its own
-    tensor; ``ValueError`` when it does not hold them all."""
-    first = dist.get_rank(group) * _chunk_rows(tensor, group)
+def local_rows(tensor: Any, start: int, stop: int, group: Any, dim: int = 0) -> torch.Tensor:
+    """Rows ``[start, stop)`` (global rows of ``dim``) of a dim-0 shard or of a chunk that this rank holds, as a
+    view of its own tensor; ``ValueError`` when it does not hold them all."""
+    first = dist.get_rank(group) * _chunk_rows(tensor, group, dim)
     local = _local(tensor)
-    if not first <= start < stop <= first + local.shape[0]:
-        raise ValueError(f"rows [{start}, {stop}) are not this rank's (it holds [{first}, {first + local.shape[0]}))")
-    return local[start - first : stop - first]
+    if not first <= start < stop <= first + local.shape[dim]:
+        held = f"[{first}, {first + local.shape[dim]})"
+        raise ValueError(f"rows [{start}, {stop}) of dim {dim} are not this rank's (it holds {held})")
+    return local.narrow(dim, start - first, stop - start)
 
 
 def local_view(tensor: Any, view: Sequence[Sequence[int]]) -> torch.Tensor:
@@ -506,14 +507,17 @@ class Gatherer:
         self._split.add(index)
         return True
 
-    def shares_of(self, tensor: torch.Tensor) -> tuple[int, list[tuple[int, int, int]]] | None:
-        """For a placeholder of a dim-0 shard or chunk (:meth:`splits`): its index and who holds which rows (group
-        rank, first row, end row); None for any other tensor."""
-        if not self.splits(tensor):
+    def shares_of(self, tensor: torch.Tensor) -> tuple[int, list[tuple[int, int, int]], int] | None:
+        """For a placeholder of a dim-0 shard or of a tensor-parallel chunk: its index, who holds which rows (group
+        rank, first row, end row) and of which dimension (a chunk's cut); None for any other tensor."""
+        index = self._source(tensor) if tensor.is_meta and tensor._base is None else None
+        if index is None:
             return None
-        index = self._source(tensor)
-        assert index is not None
-        return index, _shares(self._sources[index][1], 0, int(tensor.shape[0]), self._group)
+        dim = self._cuts[index][0] if index in self._cuts else 0
+        if dim == 0 and not self.splits(tensor):
+            return None
+        self._split.add(index)  # read by the ranks holding it: never gathered whole
+        return index, _shares(self._sources[index][1], 0, int(tensor.shape[dim]), self._group, dim), dim
 
     def view_of_rank(self, tensor: torch.Tensor) -> tuple[int, int, list[list[int]]] | None:
         """For a view of a dim-0 shard whose rows one rank holds (an expert of fused MoE experts): its tensor's
@@ -541,16 +545,19 @@ class Gatherer:
             return None
         return RankWrites(self, dict(self._items.source))
 
-    def load_rows(self, tensor: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+    def load_rows(self, tensor: torch.Tensor, start: int, stop: int, dim: int = 0) -> torch.Tensor:
         """Rows ``[start, stop)`` of a placeholder's tensor, gathered alone (the next part is posted meanwhile);
-        rows this rank holds itself are a view of its shard (nothing is gathered, or posted)."""
+        rows this rank holds itself are a view of its shard (nothing is gathered, or posted). Columns (``dim`` 1,
+        of a tensor-parallel chunk) only where this rank holds them all."""
         index = self._source(tensor)
         assert index is not None
         source: Any = self._sources[index][1]
         me = dist.get_rank(self._group)
-        shares = _shares(source, start, stop, self._group)
+        shares = _shares(source, start, stop, self._group, dim)
         if [r for r, _, _ in shares] == [me]:
-            return local_rows(source, start, stop, self._group)
+            return local_rows(source, start, stop, self._group, dim)
+        if dim:
+            raise ValueError(f"columns [{start}, {stop}) are not all this rank's: the ranks holding them write them")
         with self._lock:
             held = self._held_part
             if held is not None and held[:3] == (index, start, stop):  # read again (a second way of packing it)
