@@ -144,6 +144,7 @@ def rank_main(args: argparse.Namespace) -> None:
         "full_peak": [],
     }
     report = None
+    phases: dict[str, dict[str, float]] = {}
     for _ in range(args.repeats):
         for mode, writes in (("sharded", "1"), ("gathered", "0")):
             os.environ["HOTWEIGHTS_RANK_WRITES"] = writes
@@ -154,6 +155,7 @@ def rank_main(args: argparse.Namespace) -> None:
             )
             rows[f"{mode}_s"].append(seconds)
             rows[f"{mode}_peak"].append(peak)
+            phases[mode] = {k: round(v, 3) for k, v in report.phases.items()}  # the last run's, for the record
 
         version += 1
         dist.barrier()
@@ -170,8 +172,9 @@ def rank_main(args: argparse.Namespace) -> None:
         rows["gather_s"].append(gathered)
         rows["full_s"].append(seconds - gathered)
         rows["full_peak"].append(peak)
-    out = {k: statistics.median(v) for k, v in rows.items()}
+    out: dict[str, Any] = {k: statistics.median(v) for k, v in rows.items()}
     out["rank"] = rank
+    out["phases"] = phases
     if llm is not None and report is not None:
         out["model_bytes"] = report.num_bytes
         out["adapter"] = report.adapter

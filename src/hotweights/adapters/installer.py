@@ -234,7 +234,9 @@ class Installer(VLLMEngineAdapter):
         size = member.bucket_bytes if member and self.bucket_size else self.bucket_size
         split = getattr(tensors, "splits", None)  # a sharded state dict: tensors over a bucket travel in parts
         ranks = self._rank_writes(tensors, options, member)
-        limit = size or (default_bucket_bytes(self.transport.preferred_bucket_bytes) if ranks else sys.maxsize)
+        limit = size or (
+            default_bucket_bytes(self.transport.preferred_bucket_bytes) if ranks is not None else sys.maxsize
+        )
         if callable(bound := getattr(tensors, "parts_at_most", None)):
             bound(limit)  # a sharded state dict: views of a tensor over a bucket are read from parts of it
         if ranks is not None and sent is not None:  # every rank writes its own rows
