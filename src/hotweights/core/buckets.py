@@ -52,6 +52,11 @@ class BucketEntry(BaseModel):
     dim: int = Field(default=0, ge=0, le=1)
     """The dimension ``rows`` index: 0 (rows), or 1 (columns: a tensor-parallel chunk cut along dim 1)."""
 
+    @property
+    def cut(self) -> str:
+        """What ``rows`` index, for messages: ``"rows"`` or ``"columns"``."""
+        return ("rows", "columns")[self.dim]
+
     @model_serializer(mode="wrap")
     def _without_whole_rows(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
         """A whole tensor's entry is written as before parts existed (an engine running an older hotweights
@@ -273,11 +278,11 @@ def bucket_problems(bucket: Bucket, manifest: WeightUpdateManifest, size: int) -
         if e.name in seen:
             problems.append(f"{e.name!r} appears twice in the bucket")
         seen.add(e.name)
-        what = f"{e.name!r}" if e.rows is None else f"{e.name!r} {_INDEX[e.dim]} {e.rows}"
+        what = f"{e.name!r}" if e.rows is None else f"{e.name!r} {e.cut} {e.rows}"
         if spec is None:
             problems.append(f"{e.name!r} is not in the manifest")
         elif e.rows is not None and not (len(spec.shape) > e.dim and 0 <= e.rows[0] < e.rows[1] <= spec.shape[e.dim]):
-            problems.append(f"{what} are not {_INDEX[e.dim]} of its shape {tuple(spec.shape)}")
+            problems.append(f"{what} are not {e.cut} of its shape {tuple(spec.shape)}")
         elif e.nbytes != (want := _entry_nbytes(e, spec.shape, spec.expected_nbytes)):
             problems.append(f"{what} has {e.nbytes} bytes, the manifest says {want}")
         elif e.offset % ALIGNMENT or e.offset + e.nbytes > bucket.nbytes:
@@ -288,9 +293,6 @@ def bucket_problems(bucket: Bucket, manifest: WeightUpdateManifest, size: int) -
     if bucket.nbytes > packed:  # gaps between tensors: a bucket claims no bytes beyond its tensors' packing
         problems.append(f"bucket declares {bucket.nbytes} bytes, more than its tensors packed need ({packed})")
     return problems
-
-
-_INDEX = ("rows", "columns")
 
 
 def _entry_nbytes(e: BucketEntry, shape: tuple[int, ...], nbytes: int) -> int:

@@ -177,13 +177,17 @@ def local_rows(tensor: Any, start: int, stop: int, group: Any, dim: int = 0) -> 
     return local.narrow(dim, start - first, stop - start)
 
 
+def _last(size: Sequence[int], stride: Sequence[int], offset: int) -> int:
+    """The last element (storage offset) a view of ``size`` and ``stride`` from ``offset`` reaches."""
+    return offset + sum((n - 1) * s for n, s in zip(size, stride, strict=True) if n > 0)
+
+
 def local_view(tensor: Any, view: Sequence[Sequence[int]]) -> torch.Tensor:
     """A view ``[size, stride, [offset]]`` (:meth:`Gatherer.view_of_rank`) of this rank's local shard of ``tensor``;
     ``ValueError`` when it does not lie inside that shard."""
     size, stride, (offset,) = view
     local: torch.Tensor = tensor.to_local()
-    end = offset + sum((n - 1) * s for n, s in zip(size, stride, strict=True)) + 1
-    if not local.is_contiguous() or offset < 0 or end > local.numel():
+    if not local.is_contiguous() or offset < 0 or _last(size, stride, offset) >= local.numel():
         raise ValueError(f"the view {list(view)} is not inside this rank's shard (shape {tuple(local.shape)})")
     return local.as_strided(list(size), list(stride), local.storage_offset() + offset)
 
@@ -480,9 +484,8 @@ class Gatherer:
         base = view._base
         assert base is not None and self._part_bytes is not None
         row = math.prod(base.shape[1:])  # elements per row of the (contiguous) placeholder
-        first = view.storage_offset()
-        last = first + sum((n - 1) * s for n, s in zip(view.size(), view.stride(), strict=True) if n > 0)
-        lo, hi = first // row, last // row + 1
+        first = int(view.storage_offset())
+        lo, hi = first // row, _last(view.size(), view.stride(), first) // row + 1
         held = self._held_part
         if held is not None and held[0] == index and held[1] <= lo and hi <= held[2]:
             start, part = held[1], held[3]
@@ -532,9 +535,8 @@ class Gatherer:
             return None
         row = math.prod(source.shape[1:])  # elements per row (never index a DTensor: that is a collective)
         first = int(tensor.storage_offset())
-        last = first + sum((n - 1) * s for n, s in zip(tensor.size(), tensor.stride(), strict=True))
         rank = first // row // chunk
-        if last // row // chunk != rank:
+        if _last(tensor.size(), tensor.stride(), first) // row // chunk != rank:
             return None  # across two ranks' rows: gathered
         return index, rank, [[int(n) for n in tensor.size()], list(tensor.stride()), [first - rank * chunk * row]]
 

@@ -114,7 +114,7 @@ class StagingArea:
         problems = bucket_problems(bucket, session.manifest, nbytes)
         problems += [f"{e.name!r} was already staged" for e in bucket.entries if e.name in session.received]
         problems += [
-            f"{e.name!r} {('rows', 'columns')[e.dim]} {e.rows} were already staged"
+            f"{e.name!r} {e.cut} {e.rows} were already staged"
             for e in bucket.entries
             if e.rows is not None and e.name in session.partial and _overlaps(e.rows, session.partial[e.name][1])
         ]
