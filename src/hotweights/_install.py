@@ -22,7 +22,7 @@ from hotweights.core.report import InstallReport
 from hotweights.core.sharded import agree, follow, gathering, is_sharded, same_host
 from hotweights.core.sources import LocalTensors, TensorSource
 from hotweights.handles import PauseMode, as_engine
-from hotweights.transports import make_transport
+from hotweights.transports.shm import opened_for_writes
 from hotweights.vllm import compat
 
 if TYPE_CHECKING:
@@ -217,8 +217,7 @@ def _run(
         if engine is None:
             if not local:
                 return follow(items, leader, group)
-            with make_transport("shm", keep_segments=False) as shm:  # each file removed once its bucket is staged
-                return follow(items, leader, group, write=shm.send)
+            return follow(items, leader, group, open_file=opened_for_writes)  # writes into the leader's buckets
         source = gathering(items, leader, group, tp_size=tp[1] if tp is not None else None, same_host=local)
         layout = None if chunks else layout  # the engine receives whole tensors
     try:

@@ -14,9 +14,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from hotweights.core.errors import StaleWeightVersionError, WeightManifestValidationError
+from hotweights.core.errors import InstallError, StaleWeightVersionError, WeightManifestValidationError
 from hotweights.core.report import InstallReport
 from hotweights.core.sharded import Gatherer, agree, cut_of, follow, is_sharded
+from hotweights.transports.shm import opened_for_writes
 
 
 def _port() -> int:
@@ -166,8 +167,84 @@ def _run(rank: int, port: int, results: Any) -> None:
         agree(chunks, 9, rank == 0, tp=(0, 2))  # both ranks claim tp_rank 0
     except ValueError as exc:
         out["misplaced"] = str(exc)
+
+    # 5. Rank writes: every rank writes what it holds of whole tensors straight into the leader's bucket files
+    # (experts of the fused tensor, a dim-0 shard, chunks cut along dim 0 and dim 1); the rest is gathered.
+    truth = {"e1": torch.arange(4 * 6 * 8, dtype=torch.float32).reshape(4, 6, 8)[1], "rows": full_rows}
+    truth.update(e2=truth["e1"] + 48, cols=torch.arange(24, dtype=torch.float32).reshape(4, 6), plain=torch.ones(5))
+    for version, source, names in ((10, items, ("e1", "e2", "rows", "cols", "plain")), (11, chunks, ("rows", "cols"))):
+        leader = agree(source, version, rank == 0, tp=(rank, 2) if source is chunks else None)
+        if rank == 0:
+            cut = {"rows": (7, 3), "cols": (4, 6)} if source is chunks else None
+            out[f"writes{version}"] = _lead_rank_writes(source, leader, names, {**truth, "cols": full_cols}, cut)
+        else:
+            follow(source, leader, open_file=opened_for_writes)
+    # ... and a rank that cannot write fails the leader's install at that bucket, typed; nobody is left waiting.
+    leader = agree(items, 12, rank == 0)
+    if rank == 0:
+        try:
+            _lead_rank_writes(items, leader, ("rows",), truth)
+        except InstallError as exc:
+            out["write_error"] = str(exc)
+    else:
+        try:
+            follow(items, leader, open_file=_refused)
+        except InstallError as exc:
+            out["write_error"] = str(exc)
     results[rank] = out
     dist.destroy_process_group()
+
+
+def _refused(path: str) -> Any:
+    raise PermissionError(f"no write access to {path}")
+
+
+def _lead_rank_writes(
+    source: Any, leader: int, names: Any, full: dict[str, torch.Tensor], cut: dict[str, Any] | None = None
+) -> list[Any]:
+    """The leader's side of a rank-writes install of ``names`` (views of the placeholders; ``cut``: the full shapes
+    of tensor-parallel chunks), read back from each bucket file at its stage: (name, equal to the whole tensor,
+    bucket written by the ranks) each, in order."""
+    from hotweights.core.buckets import unpack
+    from hotweights.core.manifest import WeightUpdateManifest
+    from hotweights.core.rank_writes import RankWrites
+    from hotweights.transports.shm import Transport, open_bucket
+
+    g = Gatherer(source, leader)
+    if cut is not None:
+        g.cut(cut, 2)
+    ph = dict(g.placeholders())
+    views = {"e1": lambda: ph["fused"][1], "e2": lambda: ph["fused"][2]}
+    tensors = {n: views[n]() if n in views else ph[n] for n in names}
+    manifest = WeightUpdateManifest.from_state_dict(
+        {n: torch.empty(t.shape, dtype=t.dtype) for n, t in tensors.items()}, weight_version=1
+    )
+    writes = RankWrites(g, tensors)
+    plan = writes.plan(manifest, bucket_bytes=200)
+    seen: list[Any] = []
+    transport = Transport()
+
+    def stage(bucket: Any) -> Any:
+        def staged(descriptor: Any) -> None:
+            buffer, _ = open_bucket(descriptor)
+            for name, tensor in unpack(buffer, bucket, manifest):
+                seen.append((name, torch.equal(tensor, full[name]), writes.owner[bucket.index] != -1))
+
+        return staged
+
+    try:
+        writes.transfer(
+            plan,
+            lambda b: transport.send(b, {e.name: g.load(e.name, tensors[e.name]) for e in b.entries}, stage(b)),
+            lambda b, fill: transport.send_written(b, fill, stage(b)),
+        )
+        g.finish(_report(1))
+    except BaseException as exc:
+        g.finish(exc)
+        raise
+    finally:
+        transport.close()
+    return seen
 
 
 def test_leader_gathers_views_and_every_rank_ends_alike() -> None:
@@ -189,6 +266,18 @@ def test_leader_gathers_views_and_every_rank_ends_alike() -> None:
     assert lead["refusals"] == other["refusals"] == ["WeightManifestValidationError", "ValueError"]
     assert lead["cut"] == [True] * 8
     assert lead["misplaced"] == other["misplaced"] and "rank(s) [1]" in other["misplaced"]
+    # rank writes: the shards', views' and dim-0/dim-1 chunks' bytes land whole in the leader's files; only the
+    # dim-1 DTensor and the plain tensor travel as gathered (by the leader, first)
+    assert lead["writes10"] == [
+        ("cols", True, False),
+        ("plain", True, False),
+        ("e1", True, True),
+        ("e2", True, True),
+        ("rows", True, True),
+    ], lead["writes10"]
+    assert lead["writes11"] == [("rows", True, True), ("cols", True, True)], lead["writes11"]
+    assert lead["write_error"].startswith("rank 1 could not write its rows of bucket 0: PermissionError: no write")
+    assert other["write_error"] == lead["write_error"]
 
 
 def test_a_chunk_shape_names_its_cut() -> None:

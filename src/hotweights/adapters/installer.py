@@ -296,7 +296,12 @@ class Installer(VLLMEngineAdapter):
 
         with timer("transfer"), bucket_progress(plan, f"{self.label} v{sent.weight_version}") as buckets:
             if ranks is not None:
-                ranks.transfer(list(buckets), deliver, lambda b: self.transport.send(b, tensors, deliver(b)))
+                send_written = self.transport.send_written  # type: ignore[attr-defined]
+                ranks.transfer(
+                    list(buckets),
+                    lambda b: self.transport.send(b, tensors, deliver(b)),
+                    lambda b, fill: send_written(b, fill, deliver(b)),
+                )
                 return
 
             def send(bucket: Bucket, stage: Callable[[Descriptor], None]) -> None:
@@ -318,8 +323,8 @@ class Installer(VLLMEngineAdapter):
 
     def _rank_writes(self, tensors: Any, options: SessionOptions, member: Any) -> Any:
         """The leader's side of rank-parallel writes, where they apply: a sharded state dict whose ranks share this
-        host, the shm transport writing a fresh file per bucket, one engine (not a fleet), an atomic full install;
-        ``HOTWEIGHTS_RANK_WRITES=0`` turns them off (the leader gathers every tensor)."""
+        host, the shm transport writing a file per bucket (the ranks write into it), one engine (not a fleet), an
+        atomic full install; ``HOTWEIGHTS_RANK_WRITES=0`` turns them off (the leader gathers every tensor)."""
         if os.environ.get("HOTWEIGHTS_RANK_WRITES", "1").strip() == "0":
             return None
         make = getattr(tensors, "rank_writes", None)

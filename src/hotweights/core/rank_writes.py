@@ -1,48 +1,61 @@
-"""Rank-parallel writes of a sharded install: every rank writes its own rows, nobody gathers them.
+"""Rank-parallel writes of a sharded install: every rank writes the rows it holds into the leader's buckets.
 
-On one host, the engine's workers can read any rank's shared-memory files. So a rank can write the rows of an
-FSDP2 (``Shard(0)``) tensor it holds, or of a tensor-parallel chunk cut along dim 0, into a bucket file of its
-own. The leader (the rank holding the engine) stages that bucket like its own, from the descriptor the rank sends
-back. Only descriptors (JSON) and acknowledgements cross the process group; the bytes go from each rank's memory
-to the engine.
+On one host, every rank can open the leader's shared-memory bucket files. So the leader (the rank holding the
+engine) plans buckets of whole tensors, as an install from one process would, and each rank writes what it holds
+of them straight into the bucket, at the tensor's offset: the rows of an FSDP2 (``Shard(0)``) tensor, the rows or
+columns of a tensor-parallel chunk, or a view of its rows whole (an expert of fused MoE experts). The engine's
+workers then map whole tensors: nothing is gathered, nothing is assembled on the engine's side, and the ranks
+write at once. Only descriptions (JSON) and answers cross the process group; the bytes go from each rank's memory
+into the bucket file. Tensors in any other layout are gathered as before, first, in buckets of their own.
 
-The leader's plan (:meth:`RankWrites.plan`) cuts every such tensor at the ranks' boundaries (and at the bucket
-size) and gives each rank buckets of its own rows. A view of rows one rank holds (an expert of fused MoE experts)
-is that rank's to write whole: the payload carries its size, stride and offset in the rank's shard. Tensors in any
-other layout are gathered as before, first.
-:meth:`RankWrites.transfer` then interleaves: while the leader writes and stages a bucket of its own rows, another
-rank writes its next bucket. Protocol, per bucket of rank ``r``:
+Protocol, per bucket the ranks write (:meth:`RankWrites.transfer`):
 
-1. the leader broadcasts ``(WRITE, r, n)`` and the ``n``-byte payload ``{"bucket": ..., "sources": {name: index},
-   "views": {name: [size, stride, [offset]]}}``;
-2. rank ``r`` writes the bucket (the ``write`` it was given: :func:`hotweights._install` passes the shm transport)
-   and sends the descriptor (or ``{"error": ...}``) to the leader;
-3. the leader stages it on the engine and acknowledges (0: staged; 1: failed, the rank drops its file).
+1. the leader broadcasts ``(WRITE, -1, n)`` and the ``n``-byte payload ``{"path": ..., "pieces": {rank: [piece,
+   ...]}}``, where a piece is ``{"source": index, "offset": bytes, "shape": [...], "rows": [start, stop, dim]}``
+   or, for a view, ``{..., "view": [size, stride, [offset]]}``;
+2. every rank named writes its pieces (the ``open_file`` it was given: :func:`hotweights._install` passes the shm
+   transport's) while the leader writes its own, and answers ``{"written": bytes}`` or ``{"error": ...}``;
+3. with every answer in, the leader stages the bucket.
 """
 
 from __future__ import annotations
 
+import functools
 import json
-from collections.abc import Callable, Iterator, Mapping
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.distributed as dist
 
-from hotweights.core.buckets import Bucket, Packer, row_cuts
+from hotweights.core.buckets import Bucket, Packer
 from hotweights.core.errors import InstallError
 from hotweights.core.manifest import WeightUpdateManifest
 
 if TYPE_CHECKING:
     from hotweights.core.sharded import Gatherer
 
-__all__ = ["WRITE", "RankWrites", "Write", "write_for_leader"]
+__all__ = ["WRITE", "OpenFile", "PieceFile", "RankWrites", "write_for_leader", "write_pieces"]
 
-#: The leader's command: a rank writes a bucket of its own rows.
+#: The leader's command: the ranks named in the payload write their pieces of a bucket.
 WRITE = -2
-#: How a rank writes one bucket: ``write(bucket, tensors, stage)`` (a transport's ``send``).
-Write = Callable[[Bucket, Mapping[str, torch.Tensor], Callable[[dict[str, Any]], None]], None]
 _GATHERED = -1  # the owner key of tensors gathered to the leader
+_RANKS = -3  # the owner key of buckets the ranks write
+
+
+class PieceFile(Protocol):
+    """A bucket's file open for writes at offsets (:class:`hotweights.transports.shm.BucketFile`)."""
+
+    path: str
+
+    def write(self, data: torch.Tensor, offset: int, shape: Sequence[int], dim: int = 0, start: int = 0) -> None: ...
+
+
+#: How a rank opens the leader's bucket file by its path (:func:`hotweights.transports.shm.opened_for_writes`).
+OpenFile = Callable[[str], AbstractContextManager[PieceFile]]
+#: How the leader writes a bucket: ``written(bucket, fill)`` stages it once ``fill(file)`` wrote it.
+Written = Callable[[Bucket, Callable[[PieceFile], None]], None]
 
 
 class RankWrites:
@@ -52,109 +65,93 @@ class RankWrites:
         self.gatherer = gatherer
         self.items = items  # checkpoint name -> placeholder
         self.me = dist.get_rank(gatherer._group)
-        self.owner: dict[int, int] = {}  # bucket index -> group rank writing it (_GATHERED: the leader gathers)
-        self.sources: dict[str, int] = {}  # checkpoint name -> index of its tensor in every rank's items
-        self.views: dict[str, list[list[int]]] = {}  # checkpoint name -> [size, stride, [offset]] in a local shard
+        self.owner: dict[int, int] = {}  # bucket index -> _GATHERED (the leader gathers) or _RANKS
+        self.pieces: dict[str, list[tuple[int, dict[str, Any]]]] = {}  # checkpoint name -> (rank, piece) each
         self.buckets = 0
-        """Buckets other ranks wrote in the last transfer."""
+        """Buckets other ranks wrote pieces of in the last transfer."""
 
     def plan(self, manifest: WeightUpdateManifest, bucket_bytes: int) -> list[Bucket]:
-        """Buckets of one writer each: gathered tensors first, then each rank's rows (cut at ``bucket_bytes``)."""
-        groups: dict[int, list[tuple[str, tuple[int, int] | None, int, int]]] = {}
+        """Buckets of whole tensors: gathered ones first, then those the ranks write (each cut at the ranks'
+        boundaries into pieces, one per rank holding some of it)."""
+        gathered: list[tuple[str, int]] = []
+        written: list[tuple[str, int]] = []
         for name, spec in manifest.tensors.items():
+            shape = list(spec.shape)
             shares = self.gatherer.shares_of(self.items[name])
             viewed = self.gatherer.view_of_rank(self.items[name]) if shares is None else None
             if viewed is not None:  # a view of rows one rank holds: that rank writes it whole
-                self.sources[name], rank, self.views[name] = viewed
-                groups.setdefault(rank, []).append((name, None, spec.expected_nbytes, 0))
+                index, rank, view = viewed
+                self.pieces[name] = [(rank, {"source": index, "shape": shape, "view": view})]
+            elif shares is not None:
+                index, spans, dim = shares
+                self.pieces[name] = [
+                    (rank, {"source": index, "shape": shape, "rows": [lo, hi, dim]}) for rank, lo, hi in spans
+                ]
+            else:
+                gathered.append((name, spec.expected_nbytes))
                 continue
-            if shares is None:
-                groups.setdefault(_GATHERED, []).append((name, None, spec.expected_nbytes, 0))
-                continue
-            self.sources[name], spans, dim = shares
-            row = spec.expected_nbytes // spec.shape[dim]  # bytes per row (column) of the cut dimension
-            for rank, lo, hi in spans:
-                for a, b in row_cuts(lo, hi, row, bucket_bytes):
-                    groups.setdefault(rank, []).append((name, (a, b), (b - a) * row, dim))
+            written.append((name, spec.expected_nbytes))
         plan: list[Bucket] = []
-        for rank in sorted(groups, key=lambda r: (r != _GATHERED, r)):
+        for owner, entries in ((_GATHERED, gathered), (_RANKS, written)):
             packer = Packer(bucket_bytes, first=len(plan))
-            for entry in groups[rank]:
-                packer.add(*entry)
+            for name, nbytes in entries:
+                packer.add(name, None, nbytes)
             for bucket in packer.done():
-                self.owner[bucket.index] = rank
+                self.owner[bucket.index] = owner
                 plan.append(bucket)
         return plan
 
-    def transfer(
-        self,
-        plan: list[Bucket],
-        deliver: Callable[[Bucket], Callable[[dict[str, Any]], None]],
-        local: Callable[[Bucket], None],
-    ) -> None:
-        """Every bucket of ``plan`` staged: gathered ones first (they need every rank), then the leader's own rows,
-        each while another rank writes its next bucket. ``local(bucket)`` sends one through the leader's
-        transport; ``deliver(bucket)`` is what stages a descriptor."""
+    def transfer(self, plan: list[Bucket], local: Callable[[Bucket], None], written: Written) -> None:
+        """Every bucket of ``plan`` staged: gathered ones first (they need every rank), through ``local(bucket)``;
+        then those the ranks write, through ``written(bucket, fill)``."""
         self.buckets = 0
         for bucket in plan:
             if self.owner[bucket.index] == _GATHERED:
                 local(bucket)
-        own = [b for b in plan if self.owner[b.index] == self.me]
-        remote: Iterator[Bucket] = iter(b for b in plan if self.owner[b.index] not in (_GATHERED, self.me))
-        outstanding = self._post(next(remote, None))
+        for bucket in plan:
+            if self.owner[bucket.index] == _RANKS:
+                written(bucket, functools.partial(self._fill, bucket))
+
+    def _fill(self, bucket: Bucket, file: PieceFile) -> None:
+        """Every rank's pieces of ``bucket`` written into ``file``: the others' announced first, then the leader's
+        own written meanwhile; returns once every rank answered (raises if one could not write)."""
+        mine: list[dict[str, Any]] = []
+        theirs: dict[str, list[dict[str, Any]]] = {}
+        for entry in bucket.entries:
+            for rank, piece in self.pieces[entry.name]:
+                piece = {**piece, "offset": entry.offset}
+                (mine if rank == self.me else theirs.setdefault(str(rank), [])).append(piece)
+        if theirs:
+            self.gatherer._announce(WRITE, -1, {"path": file.path, "pieces": theirs})
+            self.buckets += 1
         try:
-            for bucket in own:
-                local(bucket)  # the other rank writes meanwhile
-                if outstanding is not None:
-                    self._stage(outstanding, deliver(outstanding))
-                    outstanding = self._post(next(remote, None))
-            while outstanding is not None:
-                self._stage(outstanding, deliver(outstanding))
-                outstanding = self._post(next(remote, None))
-        except BaseException:
-            if outstanding is not None:  # the rank writing it waits for an answer: end its write
-                self._settle(outstanding)
-            raise
+            write_pieces(file, mine, self.gatherer._sources, self.gatherer._group)
+        finally:  # every rank named answers, whatever happened here: none is left waiting
+            answers = {int(r): _receive(int(r), self.gatherer) for r in theirs}
+        for rank, answer in answers.items():
+            if "error" in answer:
+                raise InstallError(f"rank {rank} could not write its rows of bucket {bucket.index}: {answer['error']}")
 
-    def _post(self, bucket: Bucket | None) -> Bucket | None:
-        if bucket is None:
-            return None
-        sources = {e.name: self.sources[e.name] for e in bucket.entries}
-        views = {e.name: self.views[e.name] for e in bucket.entries if e.name in self.views}
-        message = {"bucket": bucket.model_dump_json(), "sources": sources, "views": views}
-        self.gatherer._announce(WRITE, self.owner[bucket.index], message)
-        return bucket
 
-    def _stage(self, bucket: Bucket, stage: Callable[[dict[str, Any]], None]) -> None:
-        rank = self.owner[bucket.index]
-        answer = _receive(rank, self.gatherer)
-        if "error" in answer:
-            raise InstallError(f"rank {rank} could not write bucket {bucket.index}: {answer['error']}")
+def write_pieces(file: PieceFile, pieces: list[dict[str, Any]], items: Sequence[tuple[str, Any]], group: Any) -> int:
+    """This rank's ``pieces`` (views of its shards: nothing is copied before the write) written into ``file``;
+    returns the bytes written."""
+    from hotweights.core.sharded import local_rows, local_view
+
+    written = 0
+    for piece in pieces:
+        name, source = items[piece["source"]]
         try:
-            stage(answer)
-        except BaseException:
-            _send(_ack(1, self.gatherer._device), rank, self.gatherer)
-            raise
-        _send(_ack(0, self.gatherer._device), rank, self.gatherer)
-        self.buckets += 1
-
-    def _settle(self, bucket: Bucket) -> None:
-        """Answer a rank whose bucket will not be staged (the install failed meanwhile)."""
-        rank = self.owner[bucket.index]
-        try:
-            answer = _receive(rank, self.gatherer)
-            if "error" not in answer:
-                _send(_ack(1, self.gatherer._device), rank, self.gatherer)
-        except Exception:  # the group broke: the other ranks learn it from the next collective
-            pass
-
-
-def _ack(value: int, device: torch.device) -> torch.Tensor:
-    return torch.tensor([value], dtype=torch.int64, device=device)
-
-
-def _send(tensor: torch.Tensor, rank: int, g: Any) -> None:
-    dist.send(tensor, dst=dist.get_global_rank(g._group, rank) if g._group is not None else rank, group=g._group)
+            if "view" in piece:
+                data, dim, start = local_view(source, piece["view"]), 0, 0
+            else:
+                start, stop, dim = piece["rows"]
+                data = local_rows(source, start, stop, group, dim)
+            file.write(data, piece["offset"], piece["shape"], dim, start)
+        except ValueError as exc:
+            raise ValueError(f"{name!r}: {exc}") from None
+        written += data.nbytes
+    return written
 
 
 def _receive(rank: int, g: Any) -> dict[str, Any]:
@@ -168,79 +165,23 @@ def _receive(rank: int, g: Any) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------------------------- the other ranks
-class _OwnRows(Mapping[str, torch.Tensor]):
-    """This rank's rows of the tensors a bucket names, and the views of them it names whole (an expert of fused
-    experts): views of its shards, nothing is copied before the write."""
-
-    def __init__(
-        self,
-        sources: Mapping[str, int],
-        items: list[tuple[str, Any]],
-        group: Any,
-        views: Mapping[str, list[list[int]]] | None = None,
-    ) -> None:
-        self._sources, self._items, self._group = sources, items, group
-        self._views = dict(views or {})
-
-    def rows(self, name: str, start: int, stop: int, dim: int = 0) -> torch.Tensor:
-        from hotweights.core.sharded import local_rows
-
-        try:
-            return local_rows(self._items[self._sources[name]][1], start, stop, self._group, dim)
-        except ValueError as exc:
-            raise ValueError(f"{name!r}: {exc}") from None
-
-    def __getitem__(self, name: str) -> torch.Tensor:
-        from hotweights.core.sharded import local_view
-
-        if name not in self._views:
-            raise KeyError(f"{name!r}: a rank writes rows of its shards and views of them only")
-        try:
-            return local_view(self._items[self._sources[name]][1], self._views[name])
-        except ValueError as exc:
-            raise ValueError(f"{name!r}: {exc}") from None
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._sources)
-
-    def __len__(self) -> int:
-        return len(self._sources)
-
-
 def write_for_leader(
-    payload: bytes, items: list[tuple[str, Any]], leader: int, group: Any, write: Write | None
+    message: Mapping[str, Any], items: Sequence[tuple[str, Any]], leader: int, group: Any, open_file: OpenFile | None
 ) -> None:
-    """Rank ``r``'s step 2: write the bucket the leader named, hand it the descriptor, wait for its answer."""
-    device = _device_of(group)
-    src = dist.get_global_rank(group, leader) if group is not None else leader
-    sent = False
-
-    def reply(answer: dict[str, Any]) -> None:
-        data = json.dumps(answer).encode()
-        dist.send(torch.tensor([len(data)], dtype=torch.int64, device=device), dst=src, group=group)
-        dist.send(torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device), dst=src, group=group)
-
-    def stage(descriptor: dict[str, Any]) -> None:
-        nonlocal sent
-        reply(descriptor)
-        sent = True
-        ack = torch.empty(1, dtype=torch.int64, device=device)
-        dist.recv(ack, src=src, group=group)
-        if int(ack.item()):
-            raise InstallError("the leading rank did not stage this rank's bucket")
-
-    try:
-        if write is None:
-            raise InstallError("this rank was given nothing to write buckets with")
-        message = json.loads(payload.decode())
-        bucket = Bucket.model_validate_json(message["bucket"])
-        write(bucket, _OwnRows(message["sources"], items, group, message.get("views")), stage)
-    except Exception as exc:
-        if not sent:
-            reply({"error": f"{type(exc).__name__}: {exc}"})
-
-
-def _device_of(group: Any) -> torch.device:
+    """Rank ``r``'s step 2: write its pieces of the bucket the leader named into the leader's file, then answer."""
     from hotweights.core.sharded import _device
 
-    return _device(group)
+    device = _device(group)
+    try:
+        if open_file is None:
+            raise InstallError("this rank was given nothing to open the leader's bucket files with")
+        with open_file(str(message["path"])) as file:
+            answer: dict[str, Any] = {
+                "written": write_pieces(file, message["pieces"][str(dist.get_rank(group))], items, group)
+            }
+    except Exception as exc:
+        answer = {"error": f"{type(exc).__name__}: {exc}"}
+    data = json.dumps(answer).encode()
+    dst = dist.get_global_rank(group, leader) if group is not None else leader
+    dist.send(torch.tensor([len(data)], dtype=torch.int64, device=device), dst=dst, group=group)
+    dist.send(torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device), dst=dst, group=group)

@@ -49,7 +49,7 @@ from hotweights.core.errors import (
     WeightManifestValidationError,
 )
 from hotweights.core.manifest import ExpectedWeights, MetadataValue, TensorSpec, WeightUpdateManifest
-from hotweights.core.rank_writes import WRITE, RankWrites, Write, write_for_leader
+from hotweights.core.rank_writes import WRITE, OpenFile, RankWrites, write_for_leader
 from hotweights.core.report import InstallReport
 from hotweights.core.sources import TensorSource, checkpoint_names
 
@@ -641,7 +641,7 @@ class Gatherer:
         dist.broadcast(data, src=self._src, group=self._group)
 
 
-def follow(items: Items, leader: int, group: Any = None, write: Write | None = None) -> InstallReport:
+def follow(items: Items, leader: int, group: Any = None, open_file: OpenFile | None = None) -> InstallReport:
     """A non-leading rank's side: join each gather the leader names, then return its report or raise its error.
 
     Raises:
@@ -662,8 +662,9 @@ def follow(items: Items, leader: int, group: Any = None, write: Write | None = N
                 dist.broadcast(data, src=src, group=group)
                 if index == _END:
                     break
-                if start == dist.get_rank(group):  # rank `start` writes the bucket it describes
-                    write_for_leader(data.cpu().numpy().tobytes(), sources, leader, group, write)
+                message = json.loads(data.cpu().numpy().tobytes().decode())
+                if str(dist.get_rank(group)) in message["pieces"]:  # this rank writes its pieces of a bucket
+                    write_for_leader(message, sources, leader, group, open_file)
                 continue
             source = sources[index][1]  # this rank's part; the leader keeps the tensor
             if start >= 0:  # rows [start, stop) of a dim-0 shard: this rank's share of them

@@ -27,6 +27,7 @@ import errno
 import fcntl
 import functools
 import logging
+import math
 import mmap
 import os
 import re
@@ -36,7 +37,7 @@ import threading
 import time
 import uuid
 import weakref
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -51,8 +52,10 @@ __all__ = [
     "REUSE_BUDGET",
     "REUSE_ENV",
     "SHM_DIR",
+    "BucketFile",
     "Transport",
     "open_bucket",
+    "opened_for_writes",
     "published",
     "release_segments",
     "sweep_stale",
@@ -314,6 +317,68 @@ def _write(fd: int, views: list[memoryview]) -> None:
             offset += view.nbytes
 
 
+class BucketFile:
+    """A bucket's file, open for writes at offsets (``fd`` stays the opener's to close). The ranks of a sharded
+    install write the rows they hold straight into the leader's bucket (:mod:`hotweights.core.rank_writes`)."""
+
+    def __init__(self, path: Path, fd: int, size: int) -> None:
+        self.path, self.fd, self.size = str(path), fd, size
+
+    def write(self, data: torch.Tensor, offset: int, shape: Sequence[int], dim: int = 0, start: int = 0) -> None:
+        """``data``: the slice ``[start, start + data.shape[dim])`` along ``dim`` of a row-major tensor of
+        ``shape`` (of ``data``'s dtype) that begins ``offset`` bytes into the file. A slice of contiguous bytes
+        (rows) is written with ``pwrite``; any other (columns) is copied into a mapping of the tensor's bytes."""
+        full = tuple(int(n) for n in shape)
+        whole = tuple(data.shape) == full and start == 0
+        count = int(data.shape[dim]) if 0 <= dim < min(data.dim(), len(full)) else -1
+        if not whole and (
+            data.dim() != len(full)
+            or tuple(data.shape) != (*full[:dim], count, *full[dim + 1 :])
+            or start < 0
+            or start + count > full[dim]
+        ):
+            raise ValueError(
+                f"a slice of shape {tuple(data.shape)} at {start} along dim {dim} does not fit a tensor of shape {full}"
+            )
+        step = math.prod(full[dim + 1 :]) * data.element_size()  # bytes of one index along dim
+        end = offset + math.prod(full) * data.element_size()
+        if offset < 0 or end > self.size:
+            raise ValueError(f"bytes [{offset}, {end}) lie outside the bucket file ({self.size} bytes)")
+        if data.device.type != "cpu":
+            data = data.cpu()
+        if whole or math.prod(full[:dim]) == 1 or not data.numel():  # one run of bytes
+            _write_at(self.fd, data.detach().contiguous(), offset + start * step)
+            return
+        first = offset - offset % mmap.ALLOCATIONGRANULARITY
+        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+        with mmap.mmap(self.fd, end - first, flags=flags, offset=first) as mm:
+            target = torch.frombuffer(mm, dtype=torch.uint8)[offset - first :].view(data.dtype).view(full)
+            target.narrow(dim, start, count).copy_(data)
+            del target  # before the mapping closes
+
+
+@contextlib.contextmanager
+def opened_for_writes(path: str) -> Iterator[BucketFile]:
+    """Another process's bucket file (``path`` as its :meth:`Transport.send_written` gave it), open for this
+    process's writes: only a hotweights segment in ``SHM_DIR``, a regular file of this user."""
+    where = Path(path)
+    if where.parent != SHM_DIR or not _SEGMENT_NAME.fullmatch(where.name):
+        raise ValueError(f"refusing to write {path}: not a hotweights segment in {SHM_DIR}")
+    fd = _open_segment(SHM_DIR / where.name, os.O_RDWR)
+    try:
+        yield BucketFile(where, fd, os.fstat(fd).st_size)
+    finally:
+        os.close(fd)
+
+
+def _write_at(fd: int, data: torch.Tensor, offset: int) -> None:
+    """A contiguous CPU tensor's bytes at ``offset`` of the file behind ``fd``."""
+    view = memoryview(data.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
+    done = 0
+    while done < view.nbytes:
+        done += os.pwrite(fd, view[done:], offset + done)
+
+
 def _unlink(path: Path) -> None:
     """Unlink a file this process created, keeping its lock (a kept segment stays in use once unlinked). A forked
     child leaves its parent's files alone: the name carries the creating pid."""
@@ -453,9 +518,18 @@ class Transport(WeightTransport):
             self._send_kept(bucket, tensors, stage)
             return
         size = max(bucket.nbytes, 1)
+        self.send_written(bucket, lambda file: _fill(file.fd, size, bucket, tensors), stage)
+
+    def send_written(self, bucket: Bucket, fill: Callable[[BucketFile], None], stage: Stage) -> None:
+        """Stage ``bucket`` once ``fill(file)`` wrote it into its file (``file.path`` may be handed to other
+        processes of this user on this host that write parts of it: the ranks of a sharded install). Not with
+        ``keep_segments=True``."""
+        if self.keep_segments:
+            raise RuntimeError("a transport keeping its segments mapped writes its buckets itself (send)")
+        size = max(bucket.nbytes, 1)
         file = self._reusable(bucket.index, size)
         if file is not None:
-            _fill(file.fd, size, bucket, tensors)
+            fill(BucketFile(file.path, file.fd, size))
             try:
                 stage({"transport": self.name, "path": str(file.path), "nbytes": bucket.nbytes})
             except BaseException:
@@ -466,7 +540,7 @@ class Transport(WeightTransport):
         _, path, fd = _new_file(size)  # locked (so never swept) until _remove
         try:
             try:
-                _fill(fd, size, bucket, tensors)
+                fill(BucketFile(path, fd, size))
             finally:
                 os.close(fd)
             stage({"transport": self.name, "path": str(path), "nbytes": bucket.nbytes})
