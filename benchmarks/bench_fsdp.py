@@ -132,8 +132,7 @@ def rank_main(args: argparse.Namespace) -> None:
         def full_state() -> dict[str, torch.Tensor]:
             return {k: t.full_tensor() for k, t in model.state_dict().items()}
 
-    version = 1
-    hotweights.install(llm, state(), weight_version=version, **options)  # warm-up: segments, plans
+    version = 0
     rows: dict[str, list[float]] = {
         "sharded_s": [],
         "sharded_peak": [],
@@ -145,18 +144,22 @@ def rank_main(args: argparse.Namespace) -> None:
     }
     report = None
     phases: dict[str, dict[str, float]] = {}
-    for _ in range(args.repeats):
-        for mode, writes in (("sharded", "1"), ("gathered", "0")):
-            os.environ["HOTWEIGHTS_RANK_WRITES"] = writes
+    # Each way in a block of its own, after one warm-up install, as a training loop runs it every step: the bucket
+    # plan repeats, so the transport rewrites the files of the install before (a way's plan differs from another's).
+    for mode, writes in (("sharded", "1"), ("gathered", "0")):
+        os.environ["HOTWEIGHTS_RANK_WRITES"] = writes
+        for repeat in range(args.repeats + 1):
             version += 1
             dist.barrier()
             report, seconds, peak = _peak_extra(
                 lambda v=version: hotweights.install(llm, state(), weight_version=v, **options)
             )
-            rows[f"{mode}_s"].append(seconds)
-            rows[f"{mode}_peak"].append(peak)
-            phases[mode] = {k: round(v, 3) for k, v in report.phases.items()}  # the last run's, for the record
+            if repeat:
+                rows[f"{mode}_s"].append(seconds)
+                rows[f"{mode}_peak"].append(peak)
+        phases[mode] = {k: round(v, 3) for k, v in report.phases.items()}  # the last run's, for the record
 
+    for repeat in range(args.repeats + 1):
         version += 1
         dist.barrier()
 
@@ -169,9 +172,10 @@ def rank_main(args: argparse.Namespace) -> None:
             return gathered
 
         gathered, seconds, peak = _peak_extra(gather_then_send)
-        rows["gather_s"].append(gathered)
-        rows["full_s"].append(seconds - gathered)
-        rows["full_peak"].append(peak)
+        if repeat:
+            rows["gather_s"].append(gathered)
+            rows["full_s"].append(seconds - gathered)
+            rows["full_peak"].append(peak)
     out: dict[str, Any] = {k: statistics.median(v) for k, v in rows.items()}
     out["rank"] = rank
     out["phases"] = phases

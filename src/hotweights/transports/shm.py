@@ -326,8 +326,8 @@ class BucketFile:
 
     def write(self, data: torch.Tensor, offset: int, shape: Sequence[int], dim: int = 0, start: int = 0) -> None:
         """``data``: the slice ``[start, start + data.shape[dim])`` along ``dim`` of a row-major tensor of
-        ``shape`` (of ``data``'s dtype) that begins ``offset`` bytes into the file. A slice of contiguous bytes
-        (rows) is written with ``pwrite``; any other (columns) is copied into a mapping of the tensor's bytes."""
+        ``shape`` (of ``data``'s dtype) that begins ``offset`` bytes into the file, written with ``pwrite``: rows in
+        one call, columns in one call per row."""
         full = tuple(int(n) for n in shape)
         whole = tuple(data.shape) == full and start == 0
         count = int(data.shape[dim]) if 0 <= dim < min(data.dim(), len(full)) else -1
@@ -344,17 +344,21 @@ class BucketFile:
         end = offset + math.prod(full) * data.element_size()
         if offset < 0 or end > self.size:
             raise ValueError(f"bytes [{offset}, {end}) lie outside the bucket file ({self.size} bytes)")
-        if data.device.type != "cpu":
-            data = data.cpu()
-        if whole or math.prod(full[:dim]) == 1 or not data.numel():  # one run of bytes
-            _write_at(self.fd, data.detach().contiguous(), offset + start * step)
+        data = data.detach().cpu().contiguous()
+        outer = math.prod(full[:dim])
+        if whole or outer == 1 or not data.numel():  # one run of bytes
+            _write_at(self.fd, data, offset + start * step)
             return
-        first = offset - offset % mmap.ALLOCATIONGRANULARITY
-        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-        with mmap.mmap(self.fd, end - first, flags=flags, offset=first) as mm:
-            target = torch.frombuffer(mm, dtype=torch.uint8)[offset - first :].view(data.dtype).view(full)
-            target.narrow(dim, start, count).copy_(data)
-            del target  # before the mapping closes
+        # One run per index of the dimensions before ``dim`` (a row of columns): a system call each, on this thread
+        # (a mapping's strided copy ran on torch's threads, against the other ranks' writes: 4-6x slower here).
+        runs = memoryview(data.reshape(-1).view(torch.uint8).numpy()).cast("B")  # type: ignore[arg-type]
+        length, stride = count * step, full[dim] * step
+        at = offset + start * step
+        for i in range(outer):
+            run = runs[i * length : (i + 1) * length]
+            done = os.pwrite(self.fd, run, at + i * stride)
+            while done < length:  # a short write (tmpfs does not make them, but the call may)
+                done += os.pwrite(self.fd, run[done:], at + i * stride + done)
 
 
 @contextlib.contextmanager
