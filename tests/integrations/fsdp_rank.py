@@ -75,7 +75,7 @@ def _counting_gathers(stats: dict[str, int]) -> None:
     original_write = sharded.write_for_leader
 
     def write_for_leader(*args: Any, **kwargs: Any) -> None:
-        if stats.get("on"):  # this rank writes a bucket of its own rows for the engine
+        if stats.get("on"):  # this rank writes its rows of a bucket, into the leader's file
             stats["written"] += 1
             if stats.get("die_writing") == stats["written"]:  # this rank dies as it starts a write, mid-install
                 os._exit(3)
@@ -222,7 +222,7 @@ def main() -> None:
     if args.tp_models:
         tp_stage(llm, rank, args.tp_models.split(","), record, stats)
 
-    # Rank 1 dies in the next install: as it starts its second bucket of its own rows (rank writes), or in its third
+    # Rank 1 dies in the next install: as it starts writing its rows of a second bucket (rank writes), or in its third
     # gather (the leader gathering); rank 0's install fails, nothing written.
     stats.update(on=1, gathers=0, written=0)
     os.environ["HOTWEIGHTS_RANK_WRITES"] = "1" if args.die_in == "write" else "0"

@@ -81,8 +81,8 @@ def test_fsdp2_ranks_install_their_shards(arch: str, engine_tp: int, tmp_path: P
         assert mine["vllm"] == mine["hf"], f"step {step}: the engine does not serve the trainer's weights"
         assert mine["report"] == theirs["report"], f"step {step}: the ranks returned different reports"
         assert mine["report"]["weight_version"] == step
-        if step == 1:  # rank writes: the other rank wrote buckets of its own rows and of its own experts (views of
-            # its shard of the fused tensors); nobody gathered anything
+        if step == 1:  # rank writes: the other rank wrote its rows and its own experts (views of its shard of the
+            # fused tensors) into the leader's buckets; nobody gathered anything
             assert theirs["written"] >= 1 and mine["split"] == 0, (theirs["written"], mine["split"])
             assert mine["gathers"] == theirs["gathers"] == 0, (mine["gathers"], theirs["gathers"])
         else:  # gathered: each DTensor once, whole or (over a bucket, a dim-0 shard) in parts, never all at once;

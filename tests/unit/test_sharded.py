@@ -179,18 +179,17 @@ def _run(rank: int, port: int, results: Any) -> None:
             out[f"writes{version}"] = _lead_rank_writes(source, leader, names, {**truth, "cols": full_cols}, cut)
         else:
             follow(source, leader, open_file=opened_for_writes)
-    # ... and a rank that cannot write fails the leader's install at that bucket, typed; nobody is left waiting.
-    leader = agree(items, 12, rank == 0)
-    if rank == 0:
+    # ... a rank that cannot write fails the leader's install at that bucket, typed; and an engine that refuses a
+    # bucket (staged while the ranks write the next one) fails it too: every rank ends alike, nobody left waiting.
+    for version, names, refuse in ((12, ("rows",), False), (13, ("e1", "e2", "rows"), True)):
+        leader = agree(items, version, rank == 0)
         try:
-            _lead_rank_writes(items, leader, ("rows",), truth)
-        except InstallError as exc:
-            out["write_error"] = str(exc)
-    else:
-        try:
-            follow(items, leader, open_file=_refused)
-        except InstallError as exc:
-            out["write_error"] = str(exc)
+            if rank == 0:
+                _lead_rank_writes(items, leader, names, truth, refuse_stage=refuse)
+            else:
+                follow(items, leader, open_file=opened_for_writes if refuse else _refused)
+        except (InstallError, ValueError) as exc:
+            out.setdefault("write_errors", []).append(f"{type(exc).__name__}: {exc}")
     results[rank] = out
     dist.destroy_process_group()
 
@@ -200,11 +199,17 @@ def _refused(path: str) -> Any:
 
 
 def _lead_rank_writes(
-    source: Any, leader: int, names: Any, full: dict[str, torch.Tensor], cut: dict[str, Any] | None = None
+    source: Any,
+    leader: int,
+    names: Any,
+    full: dict[str, torch.Tensor],
+    cut: dict[str, Any] | None = None,
+    *,
+    refuse_stage: bool = False,
 ) -> list[Any]:
     """The leader's side of a rank-writes install of ``names`` (views of the placeholders; ``cut``: the full shapes
     of tensor-parallel chunks), read back from each bucket file at its stage: (name, equal to the whole tensor,
-    bucket written by the ranks) each, in order."""
+    bucket written by the ranks) each, in order. ``refuse_stage``: the engine refuses the first bucket."""
     from hotweights.core.buckets import unpack
     from hotweights.core.manifest import WeightUpdateManifest
     from hotweights.core.rank_writes import RankWrites
@@ -226,6 +231,8 @@ def _lead_rank_writes(
 
     def stage(bucket: Any) -> Any:
         def staged(descriptor: Any) -> None:
+            if refuse_stage:
+                raise ValueError(f"bucket {bucket.index} refused before receiving")
             buffer, _ = open_bucket(descriptor)
             for name, tensor in unpack(buffer, bucket, manifest):
                 seen.append((name, torch.equal(tensor, full[name]), writes.owner[bucket.index] != -1))
@@ -236,7 +243,8 @@ def _lead_rank_writes(
         writes.transfer(
             plan,
             lambda b: transport.send(b, {e.name: g.load(e.name, tensors[e.name]) for e in b.entries}, stage(b)),
-            lambda b, fill: transport.send_written(b, fill, stage(b)),
+            transport.written,
+            lambda b, descriptor: stage(b)(descriptor),
         )
         g.finish(_report(1))
     except BaseException as exc:
@@ -276,8 +284,11 @@ def test_leader_gathers_views_and_every_rank_ends_alike() -> None:
         ("rows", True, True),
     ], lead["writes10"]
     assert lead["writes11"] == [("rows", True, True), ("cols", True, True)], lead["writes11"]
-    assert lead["write_error"].startswith("rank 1 could not write its rows of bucket 0: PermissionError: no write")
-    assert other["write_error"] == lead["write_error"]
+    assert lead["write_errors"] == other["write_errors"]
+    assert lead["write_errors"][0].startswith(
+        "InstallError: rank 1 could not write its rows of bucket 0: PermissionError: no write"
+    )
+    assert lead["write_errors"][1] == "ValueError: bucket 0 refused before receiving"
 
 
 def test_a_chunk_shape_names_its_cut() -> None:

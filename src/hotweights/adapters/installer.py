@@ -296,11 +296,11 @@ class Installer(VLLMEngineAdapter):
 
         with timer("transfer"), bucket_progress(plan, f"{self.label} v{sent.weight_version}") as buckets:
             if ranks is not None:
-                send_written = self.transport.send_written  # type: ignore[attr-defined]
                 ranks.transfer(
                     list(buckets),
                     lambda b: self.transport.send(b, tensors, deliver(b)),
-                    lambda b, fill: send_written(b, fill, deliver(b)),
+                    self.transport.written,  # type: ignore[attr-defined]
+                    lambda b, descriptor: deliver(b)(descriptor),
                 )
                 return
 

@@ -20,8 +20,10 @@ Protocol, per bucket the ranks write (:meth:`RankWrites.transfer`):
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, Protocol
@@ -48,14 +50,16 @@ class PieceFile(Protocol):
     """A bucket's file open for writes at offsets (:class:`hotweights.transports.shm.BucketFile`)."""
 
     path: str
+    descriptor: dict[str, Any]
+    """What stages the bucket once it is written (the transport's descriptor)."""
 
     def write(self, data: torch.Tensor, offset: int, shape: Sequence[int], dim: int = 0, start: int = 0) -> None: ...
 
 
 #: How a rank opens the leader's bucket file by its path (:func:`hotweights.transports.shm.opened_for_writes`).
 OpenFile = Callable[[str], AbstractContextManager[PieceFile]]
-#: How the leader writes a bucket: ``written(bucket, fill)`` stages it once ``fill(file)`` wrote it.
-Written = Callable[[Bucket, Callable[[PieceFile], None]], None]
+#: The leader's file for a bucket the ranks write: ``with written(bucket) as file`` (the shm transport's).
+Written = Callable[[Bucket], AbstractContextManager[PieceFile]]
 
 
 class RankWrites:
@@ -101,20 +105,35 @@ class RankWrites:
                 plan.append(bucket)
         return plan
 
-    def transfer(self, plan: list[Bucket], local: Callable[[Bucket], None], written: Written) -> None:
+    def transfer(
+        self,
+        plan: list[Bucket],
+        local: Callable[[Bucket], None],
+        written: Written,
+        stage: Callable[[Bucket, dict[str, Any]], None],
+    ) -> None:
         """Every bucket of ``plan`` staged: gathered ones first (they need every rank), through ``local(bucket)``;
-        then those the ranks write, through ``written(bucket, fill)``."""
+        then those the ranks write, each into ``written(bucket)`` and staged with ``stage(bucket, descriptor)``
+        while every rank writes the next one."""
         self.buckets = 0
         for bucket in plan:
             if self.owner[bucket.index] == _GATHERED:
                 local(bucket)
-        for bucket in plan:
-            if self.owner[bucket.index] == _RANKS:
-                written(bucket, functools.partial(self._fill, bucket))
+        with contextlib.ExitStack() as files:  # a file stays open until every bucket is staged (or the install fails)
+            previous: tuple[Bucket, PieceFile] | None = None
+            for bucket in plan:
+                if self.owner[bucket.index] != _RANKS:
+                    continue
+                file = files.enter_context(written(bucket))
+                self._fill(bucket, file, previous and functools.partial(stage, previous[0], previous[1].descriptor))
+                previous = bucket, file
+            if previous is not None:
+                stage(previous[0], previous[1].descriptor)
 
-    def _fill(self, bucket: Bucket, file: PieceFile) -> None:
+    def _fill(self, bucket: Bucket, file: PieceFile, meanwhile: Callable[[], None] | None = None) -> None:
         """Every rank's pieces of ``bucket`` written into ``file``: the others' announced first, then the leader's
-        own written meanwhile; returns once every rank answered (raises if one could not write)."""
+        own written while ``meanwhile()`` (the previous bucket's stage) runs on another thread; returns once every
+        rank answered (raises if one could not write, or ``meanwhile`` raised)."""
         mine: list[dict[str, Any]] = []
         theirs: dict[str, list[dict[str, Any]]] = {}
         for entry in bucket.entries:
@@ -124,13 +143,29 @@ class RankWrites:
         if theirs:
             self.gatherer._announce(WRITE, -1, {"path": file.path, "pieces": theirs})
             self.buckets += 1
+        failed: list[BaseException] = []
+        aside = threading.Thread(target=_catching, args=(meanwhile, failed), name="hotweights-stage", daemon=True)
+        if meanwhile is not None:
+            aside.start()
         try:
             write_pieces(file, mine, self.gatherer._sources, self.gatherer._group)
         finally:  # every rank named answers, whatever happened here: none is left waiting
+            if meanwhile is not None:
+                aside.join()
             answers = {int(r): _receive(int(r), self.gatherer) for r in theirs}
+        if failed:
+            raise failed[0]
         for rank, answer in answers.items():
             if "error" in answer:
                 raise InstallError(f"rank {rank} could not write its rows of bucket {bucket.index}: {answer['error']}")
+
+
+def _catching(call: Callable[[], None] | None, failed: list[BaseException]) -> None:
+    try:
+        if call is not None:
+            call()
+    except BaseException as exc:
+        failed.append(exc)
 
 
 def write_pieces(file: PieceFile, pieces: list[dict[str, Any]], items: Sequence[tuple[str, Any]], group: Any) -> int:

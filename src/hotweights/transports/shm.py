@@ -321,8 +321,11 @@ class BucketFile:
     """A bucket's file, open for writes at offsets (``fd`` stays the opener's to close). The ranks of a sharded
     install write the rows they hold straight into the leader's bucket (:mod:`hotweights.core.rank_writes`)."""
 
-    def __init__(self, path: Path, fd: int, size: int) -> None:
+    def __init__(self, path: Path, fd: int, size: int, nbytes: int | None = None) -> None:
         self.path, self.fd, self.size = str(path), fd, size
+        nbytes = size if nbytes is None else nbytes
+        self.descriptor: Descriptor = {"transport": "shm", "path": self.path, "nbytes": nbytes}
+        """What stages the bucket written into this file."""
 
     def write(self, data: torch.Tensor, offset: int, shape: Sequence[int], dim: int = 0, start: int = 0) -> None:
         """``data``: the slice ``[start, start + data.shape[dim])`` along ``dim`` of a row-major tensor of
@@ -363,7 +366,7 @@ class BucketFile:
 
 @contextlib.contextmanager
 def opened_for_writes(path: str) -> Iterator[BucketFile]:
-    """Another process's bucket file (``path`` as its :meth:`Transport.send_written` gave it), open for this
+    """Another process's bucket file (``file.path`` of its :meth:`Transport.written`), open for this
     process's writes: only a hotweights segment in ``SHM_DIR``, a regular file of this user."""
     where = Path(path)
     if where.parent != SHM_DIR or not _SEGMENT_NAME.fullmatch(where.name):
@@ -521,21 +524,23 @@ class Transport(WeightTransport):
         if self.keep_segments:
             self._send_kept(bucket, tensors, stage)
             return
-        size = max(bucket.nbytes, 1)
-        self.send_written(bucket, lambda file: _fill(file.fd, size, bucket, tensors), stage)
+        with self.written(bucket) as file:
+            _fill(file.fd, file.size, bucket, tensors)
+            stage(file.descriptor)
 
-    def send_written(self, bucket: Bucket, fill: Callable[[BucketFile], None], stage: Stage) -> None:
-        """Stage ``bucket`` once ``fill(file)`` wrote it into its file (``file.path`` may be handed to other
-        processes of this user on this host that write parts of it: the ranks of a sharded install). Not with
-        ``keep_segments=True``."""
+    @contextlib.contextmanager
+    def written(self, bucket: Bucket) -> Iterator[BucketFile]:
+        """The file ``bucket`` goes into, open for writes; stage it with ``file.descriptor`` inside the block.
+        ``file.path`` may be handed to other processes of this user on this host that write parts of it (the ranks
+        of a sharded install). A fresh file is removed at the block's end; a reused one is dropped if the block
+        fails (a worker may still be reading it). Not with ``keep_segments=True``."""
         if self.keep_segments:
             raise RuntimeError("a transport keeping its segments mapped writes its buckets itself (send)")
         size = max(bucket.nbytes, 1)
-        file = self._reusable(bucket.index, size)
-        if file is not None:
-            fill(BucketFile(file.path, file.fd, size))
+        reused = self._reusable(bucket.index, size)
+        if reused is not None:
             try:
-                stage({"transport": self.name, "path": str(file.path), "nbytes": bucket.nbytes})
+                yield BucketFile(reused.path, reused.fd, size, bucket.nbytes)
             except BaseException:
                 with self._lock:  # a worker may still be reading it: start afresh next time
                     _close_files(self._files, bucket.index)
@@ -543,12 +548,9 @@ class Transport(WeightTransport):
             return
         _, path, fd = _new_file(size)  # locked (so never swept) until _remove
         try:
-            try:
-                fill(BucketFile(path, fd, size))
-            finally:
-                os.close(fd)
-            stage({"transport": self.name, "path": str(path), "nbytes": bucket.nbytes})
+            yield BucketFile(path, fd, size, bucket.nbytes)
         finally:
+            os.close(fd)
             _remove(path)
 
     def _reusable(self, index: int, size: int) -> _File | None:
