@@ -404,51 +404,6 @@ class TestParts:
         with pytest.raises(ValueError, match="incomplete"):
             staging.take(m.update_id)
 
-    def test_columns_pack_from_their_holder_and_stage_whole(self) -> None:
-        """Columns of a tensor (a tensor-parallel chunk cut along dim 1, written by the rank holding it) travel as
-        contiguous parts the engine puts side by side; a part along the other dimension, or columns outside the
-        tensor, are refused before anything is received."""
-        from hotweights.core.buckets import Packer
-        from hotweights.vllm.worker.staging import StagingArea
-
-        tensors, m = self.manifest()
-        packer = Packer(96)
-        packer.add("small", None, 16)
-        packer.add("after", None, 24)
-        for a, b in ((0, 3), (3, 8)):  # columns [0, 3) and [3, 8) of "big" (10 x 8): 120 and 200 bytes
-            packer.add("big", (a, b), (b - a) * 10 * 4, dim=1)
-        plan = packer.done()
-        assert [(e.rows, e.dim) for b in plan for e in b.entries if e.name == "big"] == [((0, 3), 1), ((3, 8), 1)]
-
-        class Columns(dict[str, torch.Tensor]):
-            def rows(self, name: str, start: int, stop: int, dim: int = 0) -> torch.Tensor:
-                return tensors[name].narrow(dim, start, stop - start)  # not contiguous: packed by a copy
-
-        staging = StagingArea(owner=None)
-        staging.begin(m, check=False)
-
-        def stage(bucket: Bucket, pack: bool = True) -> None:
-            buffer = torch.zeros(bucket.nbytes, dtype=torch.uint8)
-            if pack:
-                pack_into(buffer, bucket, Columns(tensors))
-            descriptor = {"transport": "bytes", "nbytes": bucket.nbytes, "data": buffer.numpy().tobytes()}
-            staging.stage(m.update_id, bucket.model_dump_json(), descriptor)
-
-        first = next(b for b in plan if any(e.rows == (0, 3) for e in b.entries))
-        stage(first)
-        as_rows = first.model_copy(update={"entries": (first.entries[0].model_copy(update={"dim": 0}),)})
-        with pytest.raises(ValueError, match=r"'big' arrives in parts along dim 0 after parts along dim 1"):
-            stage(as_rows, pack=False)
-        outside = first.model_copy(update={"entries": (first.entries[0].model_copy(update={"rows": (6, 9)}),)})
-        with pytest.raises(ValueError, match=r"'big' columns \(6, 9\) are not columns of its shape \(10, 8\)"):
-            stage(outside, pack=False)
-        for bucket in plan:
-            if bucket is not first:
-                stage(bucket)
-        items, _ = staging.take(m.update_id)
-        assert all(torch.equal(dict(items)[n], tensors[n]) for n in tensors)
-        assert '"dim":1' in first.model_dump_json() and '"dim"' not in plan[0].model_dump_json()
-
     def test_a_whole_entry_is_written_as_before_parts(self) -> None:
         """An engine running the previous hotweights (its entries forbid unknown keys) reads every bucket without
         parts."""

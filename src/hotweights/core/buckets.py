@@ -49,13 +49,6 @@ class BucketEntry(BaseModel):
     nbytes: int = Field(ge=0)
     rows: tuple[int, int] | None = None
     """A part of a tensor larger than a bucket (:func:`plan_buckets` with ``split``): its rows ``[start, stop)``."""
-    dim: int = Field(default=0, ge=0, le=1)
-    """The dimension ``rows`` index: 0 (rows), or 1 (columns: a tensor-parallel chunk cut along dim 1)."""
-
-    @property
-    def cut(self) -> str:
-        """What ``rows`` index, for messages: ``"rows"`` or ``"columns"``."""
-        return ("rows", "columns")[self.dim]
 
     @model_serializer(mode="wrap")
     def _without_whole_rows(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
@@ -64,8 +57,6 @@ class BucketEntry(BaseModel):
         data: dict[str, Any] = handler(self)
         if self.rows is None:
             data.pop("rows", None)
-        if self.dim == 0:
-            data.pop("dim", None)
         return data
 
 
@@ -159,11 +150,11 @@ class Packer:
         """Whether ``nbytes`` more fit in the open bucket (always, when it is empty)."""
         return not self._entries or _align(self._used) + nbytes <= self.limit
 
-    def add(self, name: str, rows: tuple[int, int] | None, nbytes: int, dim: int = 0) -> None:
+    def add(self, name: str, rows: tuple[int, int] | None, nbytes: int) -> None:
         if not self.fits(nbytes):
             self.close()
         start = _align(self._used)
-        self._entries.append(BucketEntry(name=name, offset=start, nbytes=nbytes, rows=rows, dim=dim))
+        self._entries.append(BucketEntry(name=name, offset=start, nbytes=nbytes, rows=rows))
         self._used = start + nbytes
 
     def close(self) -> None:
@@ -221,19 +212,19 @@ def pack_into(buffer: torch.Tensor, bucket: Bucket, tensors: Mapping[str, torch.
     """Copy each tensor (or part) of ``bucket`` into the flat ``uint8`` ``buffer`` at its offset (one copy, any
     device)."""
     for e in bucket.entries:
-        src = tensors[e.name] if e.rows is None else rows_of(tensors, e.name, *e.rows, dim=e.dim)
+        src = tensors[e.name] if e.rows is None else rows_of(tensors, e.name, *e.rows)
         dst = buffer[e.offset : e.offset + e.nbytes].view(src.dtype).view(src.shape)
         dst.copy_(src)
 
 
-def rows_of(tensors: Mapping[str, torch.Tensor], name: str, start: int, stop: int, dim: int = 0) -> torch.Tensor:
-    """Rows ``[start, stop)`` of ``tensors[name]`` (of dimension ``dim``): read alone where the mapping can
-    (``tensors.rows``, a sharded state dict gathering only those rows), else sliced from the whole tensor."""
+def rows_of(tensors: Mapping[str, torch.Tensor], name: str, start: int, stop: int) -> torch.Tensor:
+    """Rows ``[start, stop)`` of ``tensors[name]``: read alone where the mapping can (``tensors.rows``, a sharded
+    state dict gathering only those rows), else sliced from the whole tensor."""
     read = getattr(tensors, "rows", None)
     if callable(read):
-        part: torch.Tensor = read(name, start, stop, dim) if dim else read(name, start, stop)
+        part: torch.Tensor = read(name, start, stop)
         return part
-    return tensors[name].narrow(dim, start, stop - start)
+    return tensors[name][start:stop]
 
 
 _PADDING = memoryview(bytes(ALIGNMENT))
@@ -246,7 +237,7 @@ def byte_views(bucket: Bucket, tensors: Mapping[str, torch.Tensor]) -> list[memo
     views: list[memoryview] = []
     used = 0
     for e in bucket.entries:
-        src = tensors[e.name] if e.rows is None else rows_of(tensors, e.name, *e.rows, dim=e.dim)
+        src = tensors[e.name] if e.rows is None else rows_of(tensors, e.name, *e.rows)
         if src.device.type != "cpu" or not src.is_contiguous() or src.nbytes != e.nbytes:
             return None
         if e.offset > used:
@@ -278,11 +269,11 @@ def bucket_problems(bucket: Bucket, manifest: WeightUpdateManifest, size: int) -
         if e.name in seen:
             problems.append(f"{e.name!r} appears twice in the bucket")
         seen.add(e.name)
-        what = f"{e.name!r}" if e.rows is None else f"{e.name!r} {e.cut} {e.rows}"
+        what = f"{e.name!r}" if e.rows is None else f"{e.name!r} rows {e.rows}"
         if spec is None:
             problems.append(f"{e.name!r} is not in the manifest")
-        elif e.rows is not None and not (len(spec.shape) > e.dim and 0 <= e.rows[0] < e.rows[1] <= spec.shape[e.dim]):
-            problems.append(f"{what} are not {e.cut} of its shape {tuple(spec.shape)}")
+        elif e.rows is not None and not (spec.shape and 0 <= e.rows[0] < e.rows[1] <= spec.shape[0]):
+            problems.append(f"{what} are not rows of its shape {tuple(spec.shape)}")
         elif e.nbytes != (want := _entry_nbytes(e, spec.shape, spec.expected_nbytes)):
             problems.append(f"{what} has {e.nbytes} bytes, the manifest says {want}")
         elif e.offset % ALIGNMENT or e.offset + e.nbytes > bucket.nbytes:
@@ -296,22 +287,20 @@ def bucket_problems(bucket: Bucket, manifest: WeightUpdateManifest, size: int) -
 
 
 def _entry_nbytes(e: BucketEntry, shape: tuple[int, ...], nbytes: int) -> int:
-    """The bytes ``e`` carries: the tensor's, or its rows' (columns') share of them."""
-    return nbytes if e.rows is None else (e.rows[1] - e.rows[0]) * (nbytes // shape[e.dim])
+    """The bytes ``e`` carries: the tensor's, or its rows' share of them."""
+    return nbytes if e.rows is None else (e.rows[1] - e.rows[0]) * (nbytes // shape[0])
 
 
 def unpack_parts(
     buffer: torch.Tensor, bucket: Bucket, manifest: WeightUpdateManifest
-) -> Iterator[tuple[str, tuple[int, int], int, torch.Tensor]]:
-    """Views of the parts of ``bucket`` (entries with ``rows``) inside ``buffer``: (name, rows, dim, view), a part
-    of columns packed as its own contiguous tensor. The caller checked the bucket (:func:`bucket_problems`)."""
+) -> Iterator[tuple[str, tuple[int, int], torch.Tensor]]:
+    """Views of the parts of ``bucket`` (entries with ``rows``) inside ``buffer``: (name, rows, view). The caller
+    checked the bucket (:func:`bucket_problems`)."""
     for e in bucket.entries:
         if e.rows is not None:
             spec = manifest.tensors[e.name]
             view = buffer[e.offset : e.offset + e.nbytes].view(spec.torch_dtype)
-            shape = list(spec.shape)
-            shape[e.dim] = e.rows[1] - e.rows[0]
-            yield e.name, e.rows, e.dim, view.view(shape)
+            yield e.name, e.rows, view.view((e.rows[1] - e.rows[0], *spec.shape[1:]))
 
 
 def unpack(

@@ -30,8 +30,8 @@ class Parts(Protocol):
     def splits(self, tensor: torch.Tensor) -> bool:
         """Whether ``tensor`` (as the source holds it) may be read in parts."""
 
-    def load_rows(self, tensor: torch.Tensor, start: int, stop: int, dim: int = 0) -> torch.Tensor:
-        """Rows ``[start, stop)`` (of dimension ``dim``) of ``tensor``'s data."""
+    def load_rows(self, tensor: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+        """Rows ``[start, stop)`` of ``tensor``'s data."""
 
 
 """``load(name, tensor)``: the data behind a placeholder (e.g. a sharded tensor gathered when read), or ``tensor``."""
@@ -112,12 +112,12 @@ class CastItems(Sequence[tuple[str, torch.Tensor]]):
         """Whether item ``index`` may be read in parts (:meth:`rows`)."""
         return self.parts is not None and self.parts.splits(self.source[index][1])
 
-    def rows(self, index: int, start: int, stop: int, dim: int = 0) -> torch.Tensor:
-        """Rows ``[start, stop)`` (of dimension ``dim``) of item ``index``, cast: read alone where the source can."""
+    def rows(self, index: int, start: int, stop: int) -> torch.Tensor:
+        """Rows ``[start, stop)`` of item ``index``, cast: read alone where the source can."""
         name, tensor = self.source[index]
-        if self.parts is None or not (dim or self.parts.splits(tensor)):
-            return self._cast(name, tensor).narrow(dim, start, stop - start)
-        part = self.parts.load_rows(tensor, start, stop, dim)
+        if self.parts is None or not self.parts.splits(tensor):
+            return self._cast(name, tensor)[start:stop]
+        part = self.parts.load_rows(tensor, start, stop)
         dtype = self.targets.get(name)
         return part if dtype is None else part.to(dtype)
 
@@ -169,9 +169,9 @@ class _CastMapping(Mapping[str, torch.Tensor]):
         """Whether ``name`` may travel in parts (see :func:`hotweights.core.buckets.plan_buckets`)."""
         return self._items.splits(self._index[name])
 
-    def rows(self, name: str, start: int, stop: int, dim: int = 0) -> torch.Tensor:
-        """Rows ``[start, stop)`` (of dimension ``dim``) of ``name`` (:func:`hotweights.core.buckets.rows_of`)."""
-        return self._items.rows(self._index[name], start, stop, dim)
+    def rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        """Rows ``[start, stop)`` of ``name`` (:func:`hotweights.core.buckets.rows_of`)."""
+        return self._items.rows(self._index[name], start, stop)
 
     def parts_at_most(self, limit: int) -> None:
         """Tell a source that gathers what it reads (a sharded state dict) the bucket size: it then reads views of

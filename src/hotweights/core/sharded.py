@@ -547,19 +547,16 @@ class Gatherer:
             return None
         return RankWrites(self, dict(self._items.source))
 
-    def load_rows(self, tensor: torch.Tensor, start: int, stop: int, dim: int = 0) -> torch.Tensor:
+    def load_rows(self, tensor: torch.Tensor, start: int, stop: int) -> torch.Tensor:
         """Rows ``[start, stop)`` of a placeholder's tensor, gathered alone (the next part is posted meanwhile);
-        rows this rank holds itself are a view of its shard (nothing is gathered, or posted). Columns (``dim`` 1,
-        of a tensor-parallel chunk) only where this rank holds them all."""
+        rows this rank holds itself are a view of its shard (nothing is gathered, or posted)."""
         index = self._source(tensor)
         assert index is not None
         source: Any = self._sources[index][1]
         me = dist.get_rank(self._group)
-        shares = _shares(source, start, stop, self._group, dim)
+        shares = _shares(source, start, stop, self._group)
         if [r for r, _, _ in shares] == [me]:
-            return local_rows(source, start, stop, self._group, dim)
-        if dim:
-            raise ValueError(f"columns [{start}, {stop}) are not all this rank's: the ranks holding them write them")
+            return local_rows(source, start, stop, self._group)
         with self._lock:
             held = self._held_part
             if held is not None and held[:3] == (index, start, stop):  # read again (a second way of packing it)

@@ -50,8 +50,8 @@ class InstallSession:
     by_reference: Any = None
     """The caller's own tensors (an in-process install hands them over by reference: nothing was copied)."""
     received: set[str] = field(default_factory=set)
-    partial: dict[str, tuple[torch.Tensor, list[tuple[int, int]], int]] = field(default_factory=dict)
-    """Tensors arriving in parts (rows, or columns): the tensor being assembled, the rows in it, their dimension."""
+    partial: dict[str, tuple[torch.Tensor, list[tuple[int, int]]]] = field(default_factory=dict)
+    """Tensors arriving in parts (rows): the tensor being assembled, the rows in it so far."""
     keepalive: list[Any] = field(default_factory=list)
     nbytes: int = 0
     digests_verified: int = 0
@@ -114,14 +114,9 @@ class StagingArea:
         problems = bucket_problems(bucket, session.manifest, nbytes)
         problems += [f"{e.name!r} was already staged" for e in bucket.entries if e.name in session.received]
         problems += [
-            f"{e.name!r} {e.cut} {e.rows} were already staged"
+            f"{e.name!r} rows {e.rows} were already staged"
             for e in bucket.entries
             if e.rows is not None and e.name in session.partial and _overlaps(e.rows, session.partial[e.name][1])
-        ]
-        problems += [
-            f"{e.name!r} arrives in parts along dim {e.dim} after parts along dim {session.partial[e.name][2]}"
-            for e in bucket.entries
-            if e.rows is not None and e.name in session.partial and e.dim != session.partial[e.name][2]
         ]
         if problems:
             raise ValueError(f"bucket {bucket.index} refused before receiving: " + "; ".join(problems))
@@ -219,14 +214,14 @@ def _assemble(session: InstallSession, parts: Any) -> dict[str, torch.Tensor]:
     """Copy each part into its tensor (allocated at its first part, as the manifest describes it); the tensors
     whose every row has now arrived, ready to be checked and staged like a whole one."""
     done: dict[str, torch.Tensor] = {}
-    for name, rows, dim, view in parts:
+    for name, rows, view in parts:
         if name not in session.partial:
             spec = session.manifest.tensors[name]
-            session.partial[name] = (torch.empty(spec.shape, dtype=spec.torch_dtype, device=view.device), [], dim)
-        tensor, staged, _ = session.partial[name]
-        tensor.narrow(dim, rows[0], rows[1] - rows[0]).copy_(view)
+            session.partial[name] = (torch.empty(spec.shape, dtype=spec.torch_dtype, device=view.device), [])
+        tensor, staged = session.partial[name]
+        tensor[rows[0] : rows[1]].copy_(view)
         staged.append(rows)
-        if sum(stop - start for start, stop in staged) == tensor.shape[dim]:  # no overlaps: checked before
+        if sum(stop - start for start, stop in staged) == tensor.shape[0]:  # no overlaps: checked before
             done[name] = tensor
             del session.partial[name]
     return done
