@@ -280,6 +280,7 @@ def test_leader_gathers_views_and_every_rank_ends_alike() -> None:
     assert lead["write_errors"][0].startswith(
         "InstallError: rank 1 could not write its rows of bucket 0: PermissionError: no write"
     )
+    assert "set HOTWEIGHTS_RANK_WRITES=0 on every rank" in lead["write_errors"][0]  # what to do
     assert lead["write_errors"][1] == "ValueError: bucket 0 refused before receiving"
 
 

@@ -157,7 +157,12 @@ class RankWrites:
             raise failed[0]
         for rank, answer in answers.items():
             if "error" in answer:
-                raise InstallError(f"rank {rank} could not write its rows of bucket {bucket.index}: {answer['error']}")
+                raise InstallError(
+                    f"rank {rank} could not write its rows of bucket {bucket.index}: {answer['error']}. Every rank "
+                    f"writes into the leader's bucket files ({file.path}), so each must see the same shared-memory "
+                    "directory as the leader, as the same user; set HOTWEIGHTS_RANK_WRITES=0 on every rank to have the "
+                    "leader gather instead."
+                )
 
 
 def _catching(call: Callable[[], None] | None, failed: list[BaseException]) -> None:
