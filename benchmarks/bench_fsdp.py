@@ -15,7 +15,8 @@ multiprocess ``vllm.LLM`` with hotweights' worker extension. Measured, per rank,
 With ``--layout tp`` the ranks hold Megatron-style tensor-parallel chunks of the same model instead (plain tensors,
 ``layout=WeightLayout(tp_rank=r, tp_size=2)``): ``sharded`` is then each rank writing its own chunks, ``sharded-gather``
 the leader gathering them, and ``gather-then-send`` rank 0 installing the whole tensors it read from disk (its gather
-time is 0).
+time is 0). With ``--engine-dtype bfloat16`` the engine serves bf16 and every install casts the trainer's fp32
+tensors (``cast="engine"``; with rank writes each rank casts what it writes).
 
 ``python benchmarks/bench_fsdp.py`` (``--size tiny`` for a smoke run). Prints one JSON line per rank and a table.
 """
@@ -92,7 +93,9 @@ def rank_main(args: argparse.Namespace) -> None:
     rank = args.rank
     llm = None
     if rank == 0:
-        llm = start_engine(args.model, "float32", multiprocess=True, worker_extension_cls=hotweights.WORKER_EXTENSION)
+        llm = start_engine(
+            args.model, args.engine_dtype, multiprocess=True, worker_extension_cls=hotweights.WORKER_EXTENSION
+        )
     dist.init_process_group(
         "gloo",
         init_method=f"tcp://127.0.0.1:{args.port}",
@@ -105,6 +108,8 @@ def rank_main(args: argparse.Namespace) -> None:
     from transformers import AutoModelForCausalLM
 
     options: dict[str, Any] = {}
+    if args.engine_dtype != "float32":  # the trainer's fp32 tensors cast to the engine's dtype on the way
+        options["cast"] = "engine"
     if args.layout == "tp":
         from safetensors.torch import load_file
 
@@ -168,7 +173,7 @@ def rank_main(args: argparse.Namespace) -> None:
             full = full_state()
             gathered = time.perf_counter() - start
             if llm is not None:
-                hotweights.install(llm, full, weight_version=v)
+                hotweights.install(llm, full, weight_version=v, cast=options.get("cast"))
             return gathered
 
         gathered, seconds, peak = _peak_extra(gather_then_send)
@@ -198,6 +203,7 @@ def main() -> None:
     parser.add_argument("--port", type=int)
     parser.add_argument("--model")
     parser.add_argument("--layout", choices=("fsdp", "tp"), default="fsdp")
+    parser.add_argument("--engine-dtype", choices=("float32", "bfloat16"), default="float32")
     args = parser.parse_args()
     if args.rank is not None:
         return rank_main(args)
@@ -216,7 +222,7 @@ def main() -> None:
         procs = []
         for r in range(2):
             command = [sys.executable, __file__, "--rank", str(r), "--port", str(port), "--model", str(model_dir)]
-            command += ["--repeats", str(args.repeats), "--layout", args.layout]
+            command += ["--repeats", str(args.repeats), "--layout", args.layout, "--engine-dtype", args.engine_dtype]
             procs.append(
                 subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
             )

@@ -87,6 +87,35 @@ def _counting_gathers(stats: dict[str, int]) -> None:
     sharded.write_for_leader = write_for_leader  # type: ignore[assignment]
 
 
+def cast_stage(
+    llm: Any, rank: int, model: Any, optimizer: Any, record: dict[str, Any], stats: dict[str, Any], options: Any
+) -> None:
+    """One more step, then an install of the model's shards in bfloat16 into the float32 engine (``cast="engine"``,
+    version 10) with rank writes: each rank casts its rows as it writes them; nobody gathers."""
+    import hotweights
+    from hotweights.testing import greedy_hf, greedy_vllm
+
+    ids = torch.randint(2, model.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(7 + rank))
+    model(input_ids=ids, labels=ids).loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    halves = {k: v.to(torch.bfloat16) for k, v in model.state_dict().items()}  # DTensors stay sharded alike
+    os.environ["HOTWEIGHTS_RANK_WRITES"] = "1"
+    stats.update(on=1, gathers=0, written=0)
+    report = hotweights.install(llm, halves, weight_version=10, cast="engine", **options)
+    stats["on"] = 0
+    entry: dict[str, Any] = {"report": report.model_dump(mode="json"), "gathers": stats["gathers"]}
+    entry["written"] = stats["written"]
+    full = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in halves.items()}
+    if rank == 0:
+        from transformers import AutoModelForCausalLM
+
+        reference = AutoModelForCausalLM.from_config(model.config, dtype=torch.float32).eval()
+        reference.load_state_dict({k: v.float() for k, v in full.items()})
+        entry["vllm"], entry["hf"] = greedy_vllm(llm), greedy_hf(reference)
+    record["cast"] = entry
+
+
 def tp_stage(llm: Any, rank: int, models: list[str], record: dict[str, Any], stats: dict[str, Any]) -> None:
     """The ranks hold tensor-parallel chunks (plain tensors, checkpoint names as saved) of ``models`` in turn and
     install them with ``layout=WeightLayout(tp_rank=rank, tp_size=2)``, versions 11, 12, ...: the first with rank
@@ -219,6 +248,7 @@ def main() -> None:
         assert llm is not None
         record["version_after_refusal"] = as_engine(llm).get_weight_version()
         record["after_refusal"] = greedy_vllm(llm)
+    cast_stage(llm, rank, model, optimizer, record, stats, options)
     if args.tp_models:
         tp_stage(llm, rank, args.tp_models.split(","), record, stats)
 

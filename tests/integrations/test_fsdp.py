@@ -102,6 +102,13 @@ def test_fsdp2_ranks_install_their_shards(arch: str, engine_tp: int, tmp_path: P
     assert lead["refusal"].startswith("WeightManifestValidationError")
     assert lead["version_after_refusal"] == str(len(lead["steps"]))
     assert lead["after_refusal"] == lead["steps"][-1]["vllm"]
+    # One more step, installed from bfloat16 shards into the float32 engine (cast="engine") with rank writes: every
+    # rank casts what it writes, nobody gathers; the engine equals HF on the same weights.
+    cast, cast_other = lead["cast"], other["cast"]
+    assert cast["hf"] != lead["after_refusal"], "the step did not change the greedy output"
+    assert cast["vllm"] == cast["hf"], "the engine does not serve the cast weights"
+    assert cast["report"] == cast_other["report"] and cast["report"]["weight_version"] == 10
+    assert cast_other["written"] >= 1 and cast["gathers"] == cast_other["gathers"] == 0, (cast, cast_other)
     # Tensor-parallel chunks (plain tensors, the last chunk padded) of two more models: the engine equals HF on each
     # whole model; a rank claiming another's place is refused alike on both, nothing written.
     assert lead["steps"][-1]["vllm"] != lead["tp"][0]["vllm"] != lead["tp"][1]["vllm"], "the models are alike"

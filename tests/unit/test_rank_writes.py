@@ -59,6 +59,21 @@ def test_every_row_written_once_into_buckets_of_whole_tensors() -> None:
     assert "norm" not in writes.pieces
 
 
+def test_a_piece_names_the_dtype_the_engine_gets_when_it_differs() -> None:
+    """A cast install (``cast="engine"``): each rank casts its piece to the manifest's dtype as it writes it."""
+    writes, _, manifest = plan(bucket_bytes=160)
+    cast = WeightUpdateManifest.from_state_dict(
+        {
+            n: torch.zeros(s.shape, dtype=torch.bfloat16 if n == "embed" else torch.float32)
+            for n, s in manifest.tensors.items()
+        },
+        weight_version=1,
+    )
+    writes.plan(cast, 160)
+    assert {p.get("dtype") for _, p in writes.pieces["embed"]} == {"torch.bfloat16"}
+    assert all("dtype" not in p for _, p in writes.pieces["head"])
+
+
 @pytest.fixture
 def bucket_file() -> Any:
     _, path, fd = _new_file(512)

@@ -164,11 +164,16 @@ def _run(rank: int, port: int, results: Any) -> None:
     # (experts of the fused tensor, a dim-0 shard, chunks cut along dim 0 and dim 1); the rest is gathered.
     truth = {"e1": torch.arange(4 * 6 * 8, dtype=torch.float32).reshape(4, 6, 8)[1], "rows": full_rows}
     truth.update(e2=truth["e1"] + 48, cols=torch.arange(24, dtype=torch.float32).reshape(4, 6), plain=torch.ones(5))
-    for version, source, names in ((10, items, ("e1", "e2", "rows", "cols", "plain")), (11, chunks, ("rows", "cols"))):
+    # Version 14: cast to bfloat16 by the ranks as they write (``cast="engine"`` into a bfloat16 engine).
+    runs = [(10, items, ("e1", "e2", "rows", "cols", "plain"), None), (11, chunks, ("rows", "cols"), None)]
+    for version, source, names, dtype in [*runs, (14, items, ("e1", "e2", "rows"), torch.bfloat16)]:
         leader = agree(source, version, rank == 0, tp=(rank, 2) if source is chunks else None)
         if rank == 0:
             cut = {"rows": (7, 3), "cols": (4, 6)} if source is chunks else None
-            out[f"writes{version}"] = _lead_rank_writes(source, leader, names, {**truth, "cols": full_cols}, cut)
+            expected = {**truth, "cols": full_cols}
+            if dtype is not None:
+                expected = {n: t.to(dtype) for n, t in expected.items()}
+            out[f"writes{version}"] = _lead_rank_writes(source, leader, names, expected, cut, dtype=dtype)
         else:
             follow(source, leader, open_file=opened_for_writes)
     # ... a rank that cannot write fails the leader's install at that bucket, typed; and an engine that refuses a
@@ -198,10 +203,12 @@ def _lead_rank_writes(
     cut: dict[str, Any] | None = None,
     *,
     refuse_stage: bool = False,
+    dtype: torch.dtype | None = None,
 ) -> list[Any]:
     """The leader's side of a rank-writes install of ``names`` (views of the placeholders; ``cut``: the full shapes
     of tensor-parallel chunks), read back from each bucket file at its stage: (name, equal to the whole tensor,
-    bucket written by the ranks) each, in order. ``refuse_stage``: the engine refuses the first bucket."""
+    bucket written by the ranks) each, in order. ``refuse_stage``: the engine refuses the first bucket; ``dtype``:
+    the engine's, the tensors cast to it."""
     from hotweights.core.buckets import unpack
     from hotweights.core.manifest import WeightUpdateManifest
     from hotweights.core.rank_writes import RankWrites
@@ -214,7 +221,7 @@ def _lead_rank_writes(
     views = {"e1": lambda: ph["fused"][1], "e2": lambda: ph["fused"][2]}
     tensors = {n: views[n]() if n in views else ph[n] for n in names}
     manifest = WeightUpdateManifest.from_state_dict(
-        {n: torch.empty(t.shape, dtype=t.dtype) for n, t in tensors.items()}, weight_version=1
+        {n: torch.empty(t.shape, dtype=dtype or t.dtype) for n, t in tensors.items()}, weight_version=1
     )
     writes = RankWrites(g, tensors)
     plan = writes.plan(manifest, bucket_bytes=200)
@@ -276,6 +283,7 @@ def test_leader_gathers_views_and_every_rank_ends_alike() -> None:
         ("rows", True, True),
     ], lead["writes10"]
     assert lead["writes11"] == [("rows", True, True), ("cols", True, True)], lead["writes11"]
+    assert lead["writes14"] == [("e1", True, True), ("e2", True, True), ("rows", True, True)], lead["writes14"]
     assert lead["write_errors"] == other["write_errors"]
     assert lead["write_errors"][0].startswith(
         "InstallError: rank 1 could not write its rows of bucket 0: PermissionError: no write"

@@ -188,9 +188,9 @@ class _CastMapping(Mapping[str, torch.Tensor]):
 
     def rank_writes(self) -> Any:
         """Where every rank of a sharded install can write its own rows (:mod:`hotweights.core.rank_writes`): the
-        leader's side of it; None otherwise, and when tensors are cast (the ranks write what they hold)."""
+        leader's side of it (each rank casts what it writes, as the manifest says); None otherwise."""
         make = getattr(self._items.parts, "rank_writes", None)
-        return make() if callable(make) and not self._items.targets else None
+        return make() if callable(make) else None
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._index)

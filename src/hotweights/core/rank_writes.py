@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from hotweights.core.buckets import Bucket, Packer
 from hotweights.core.errors import InstallError
-from hotweights.core.manifest import WeightUpdateManifest
+from hotweights.core.manifest import WeightUpdateManifest, dtype_from_str
 
 if TYPE_CHECKING:
     from hotweights.core.sharded import Gatherer
@@ -80,16 +80,18 @@ class RankWrites:
         gathered: list[tuple[str, int]] = []
         written: list[tuple[str, int]] = []
         for name, spec in manifest.tensors.items():
-            shape = list(spec.shape)
             shares = self.gatherer.shares_of(self.items[name])
             viewed = self.gatherer.view_of_rank(self.items[name]) if shares is None else None
+            common: dict[str, Any] = {"shape": list(spec.shape)}
+            if spec.torch_dtype != self.items[name].dtype:  # cast by the rank writing it, piece by piece
+                common["dtype"] = spec.dtype
             if viewed is not None:  # a view of rows one rank holds: that rank writes it whole
                 index, rank, view = viewed
-                self.pieces[name] = [(rank, {"source": index, "shape": shape, "view": view})]
+                self.pieces[name] = [(rank, {"source": index, **common, "view": view})]
             elif shares is not None:
                 index, spans, dim = shares
                 self.pieces[name] = [
-                    (rank, {"source": index, "shape": shape, "rows": [lo, hi, dim]}) for rank, lo, hi in spans
+                    (rank, {"source": index, **common, "rows": [lo, hi, dim]}) for rank, lo, hi in spans
                 ]
             else:
                 gathered.append((name, spec.expected_nbytes))
@@ -174,8 +176,8 @@ def _catching(call: Callable[[], None] | None, failed: list[BaseException]) -> N
 
 
 def write_pieces(file: PieceFile, pieces: list[dict[str, Any]], items: Sequence[tuple[str, Any]], group: Any) -> int:
-    """This rank's ``pieces`` (views of its shards: nothing is copied before the write) written into ``file``;
-    returns the bytes written."""
+    """This rank's ``pieces`` (views of its shards: nothing is copied before the write, except a piece cast to the
+    engine's ``dtype``, one piece at a time) written into ``file``; returns the bytes written."""
     from hotweights.core.sharded import local_rows, local_view
 
     written = 0
@@ -187,6 +189,8 @@ def write_pieces(file: PieceFile, pieces: list[dict[str, Any]], items: Sequence[
             else:
                 start, stop, dim = piece["rows"]
                 data = local_rows(source, start, stop, group, dim)
+            if "dtype" in piece:
+                data = data.to(dtype_from_str(piece["dtype"]))
             file.write(data, piece["offset"], piece["shape"], dim, start)
         except ValueError as exc:
             raise ValueError(f"{name!r}: {exc}") from None
