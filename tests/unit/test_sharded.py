@@ -6,6 +6,7 @@ included) and ends with a report or an error; the other rank follows. Real ``DTe
 
 from __future__ import annotations
 
+import os
 import socket
 from typing import Any
 
@@ -164,7 +165,8 @@ def _run(rank: int, port: int, results: Any) -> None:
     # (experts of the fused tensor, a dim-0 shard, chunks cut along dim 0 and dim 1); the rest is gathered.
     truth = {"e1": torch.arange(4 * 6 * 8, dtype=torch.float32).reshape(4, 6, 8)[1], "rows": full_rows}
     truth.update(e2=truth["e1"] + 48, cols=torch.arange(24, dtype=torch.float32).reshape(4, 6), plain=torch.ones(5))
-    # Version 14: cast to bfloat16 by the ranks as they write (``cast="engine"`` into a bfloat16 engine).
+    # Version 14: cast to bfloat16 by the ranks as they write (``cast="engine"`` into a bfloat16 engine), into fresh
+    # files (a transport that reuses none: each removed once every bucket is staged).
     runs = [(10, items, ("e1", "e2", "rows", "cols", "plain"), None), (11, chunks, ("rows", "cols"), None)]
     for version, source, names, dtype in [*runs, (14, items, ("e1", "e2", "rows"), torch.bfloat16)]:
         leader = agree(source, version, rank == 0, tp=(rank, 2) if source is chunks else None)
@@ -173,7 +175,8 @@ def _run(rank: int, port: int, results: Any) -> None:
             expected = {**truth, "cols": full_cols}
             if dtype is not None:
                 expected = {n: t.to(dtype) for n, t in expected.items()}
-            out[f"writes{version}"] = _lead_rank_writes(source, leader, names, expected, cut, dtype=dtype)
+            fresh = dtype is not None
+            out[f"writes{version}"] = _lead_rank_writes(source, leader, names, expected, cut, dtype=dtype, fresh=fresh)
         else:
             follow(source, leader, open_file=opened_for_writes)
     # ... a rank that cannot write fails the leader's install at that bucket, typed; and an engine that refuses a
@@ -204,15 +207,16 @@ def _lead_rank_writes(
     *,
     refuse_stage: bool = False,
     dtype: torch.dtype | None = None,
+    fresh: bool = False,
 ) -> list[Any]:
     """The leader's side of a rank-writes install of ``names`` (views of the placeholders; ``cut``: the full shapes
     of tensor-parallel chunks), read back from each bucket file at its stage: (name, equal to the whole tensor,
     bucket written by the ranks) each, in order. ``refuse_stage``: the engine refuses the first bucket; ``dtype``:
-    the engine's, the tensors cast to it."""
+    the engine's, the tensors cast to it; ``fresh``: a file per bucket, none kept (then none is left either)."""
     from hotweights.core.buckets import unpack
     from hotweights.core.manifest import WeightUpdateManifest
     from hotweights.core.rank_writes import RankWrites
-    from hotweights.transports.shm import Transport, open_bucket
+    from hotweights.transports.shm import SHM_DIR, Transport, open_bucket
 
     g = Gatherer(source, leader)
     if cut is not None:
@@ -226,7 +230,7 @@ def _lead_rank_writes(
     writes = RankWrites(g, tensors)
     plan = writes.plan(manifest, bucket_bytes=200)
     seen: list[Any] = []
-    transport = Transport()
+    transport = Transport(keep_segments=False if fresh else None)
 
     def stage(bucket: Any) -> Any:
         def staged(descriptor: Any) -> None:
@@ -251,6 +255,8 @@ def _lead_rank_writes(
         raise
     finally:
         transport.close()
+    if fresh:  # every bucket file was removed once the transfer ended
+        seen.append(("left", sorted(p.name for p in SHM_DIR.glob(f"hotweights-{os.getpid()}-*"))))
     return seen
 
 
@@ -283,7 +289,7 @@ def test_leader_gathers_views_and_every_rank_ends_alike() -> None:
         ("rows", True, True),
     ], lead["writes10"]
     assert lead["writes11"] == [("rows", True, True), ("cols", True, True)], lead["writes11"]
-    assert lead["writes14"] == [("e1", True, True), ("e2", True, True), ("rows", True, True)], lead["writes14"]
+    assert lead["writes14"] == [("e1", True, True), ("e2", True, True), ("rows", True, True), ("left", [])]
     assert lead["write_errors"] == other["write_errors"]
     assert lead["write_errors"][0].startswith(
         "InstallError: rank 1 could not write its rows of bucket 0: PermissionError: no write"
