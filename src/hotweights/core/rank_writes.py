@@ -68,7 +68,7 @@ class RankWrites:
     def __init__(self, gatherer: Gatherer, items: Mapping[str, torch.Tensor]) -> None:
         self.gatherer = gatherer
         self.items = items  # checkpoint name -> placeholder
-        self.me = dist.get_rank(gatherer._group)
+        self.me = dist.get_rank(gatherer.group)
         self.owner: dict[int, int] = {}  # bucket index -> _GATHERED (the leader gathers) or _RANKS
         self.pieces: dict[str, list[tuple[int, dict[str, Any]]]] = {}  # checkpoint name -> (rank, piece) each
         self.buckets = 0
@@ -143,14 +143,14 @@ class RankWrites:
                 piece = {**piece, "offset": entry.offset}
                 (mine if rank == self.me else theirs.setdefault(str(rank), [])).append(piece)
         if theirs:
-            self.gatherer._announce(WRITE, -1, {"path": file.path, "pieces": theirs})
+            self.gatherer.announce(WRITE, -1, {"path": file.path, "pieces": theirs})
             self.buckets += 1
         failed: list[BaseException] = []
         aside = threading.Thread(target=_catching, args=(meanwhile, failed), name="hotweights-stage", daemon=True)
         if meanwhile is not None:
             aside.start()
         try:
-            write_pieces(file, mine, self.gatherer._sources, self.gatherer._group)
+            write_pieces(file, mine, self.gatherer.sources, self.gatherer.group)
         finally:  # every rank named answers, whatever happened here: none is left waiting
             if meanwhile is not None:
                 aside.join()
@@ -198,12 +198,13 @@ def write_pieces(file: PieceFile, pieces: list[dict[str, Any]], items: Sequence[
     return written
 
 
-def _receive(rank: int, g: Any) -> dict[str, Any]:
-    src = dist.get_global_rank(g._group, rank) if g._group is not None else rank
-    size = torch.empty(1, dtype=torch.int64, device=g._device)
-    dist.recv(size, src=src, group=g._group)
-    data = torch.empty(int(size.item()), dtype=torch.uint8, device=g._device)
-    dist.recv(data, src=src, group=g._group)
+def _receive(rank: int, g: Gatherer) -> dict[str, Any]:
+    """Rank ``rank``'s answer (JSON: its length, then its bytes)."""
+    src = dist.get_global_rank(g.group, rank) if g.group is not None else rank
+    size = torch.empty(1, dtype=torch.int64, device=g.device)
+    dist.recv(size, src=src, group=g.group)
+    data = torch.empty(int(size.item()), dtype=torch.uint8, device=g.device)
+    dist.recv(data, src=src, group=g.group)
     answer: dict[str, Any] = json.loads(data.cpu().numpy().tobytes().decode())
     return answer
 

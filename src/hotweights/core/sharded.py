@@ -629,9 +629,24 @@ class Gatherer:
             if isinstance(outcome, InstallReport)
             else {"error": envelope.encode(outcome)}
         )
-        self._announce(_END, 0, payload)
+        self.announce(_END, 0, payload)
 
-    def _announce(self, value: int, start: int, message: dict[str, Any]) -> None:
+    @property
+    def group(self) -> Any:
+        """The process group (None: the default one)."""
+        return self._group
+
+    @property
+    def device(self) -> torch.device:
+        """Where the group's messages live (CPU for gloo, the current CUDA device for NCCL)."""
+        return self._device
+
+    @property
+    def sources(self) -> list[tuple[str, Any]]:
+        """The ``(name, tensor)`` pairs every rank passed, in the same order on every rank (``DTensor`` values)."""
+        return self._sources
+
+    def announce(self, value: int, start: int, message: dict[str, Any]) -> None:
         """A command whose ``stop`` is the length of a JSON ``message`` broadcast right after it."""
         data = torch.frombuffer(bytearray(json.dumps(message).encode()), dtype=torch.uint8).to(self._device)
         self._command(value, start, data.numel())
