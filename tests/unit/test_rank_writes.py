@@ -35,7 +35,7 @@ def plan(bucket_bytes: int) -> tuple[RankWrites, Any, WeightUpdateManifest]:
     manifest = WeightUpdateManifest.from_state_dict(tensors, weight_version=1)
     writes = RankWrites.__new__(RankWrites)
     writes.gatherer, writes.items, writes.me = Shards(), tensors, 0  # type: ignore[assignment]
-    writes.owner, writes.pieces, writes.buckets = {}, {}, 0
+    writes.owner, writes.pieces = {}, {}
     return writes, writes.plan(manifest, bucket_bytes), manifest
 
 

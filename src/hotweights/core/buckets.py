@@ -300,7 +300,7 @@ def unpack_parts(
         if e.rows is not None:
             spec = manifest.tensors[e.name]
             view = buffer[e.offset : e.offset + e.nbytes].view(spec.torch_dtype)
-            yield e.name, e.rows, view.view((e.rows[1] - e.rows[0], *spec.shape[1:]))
+            yield e.name, e.rows, view.view(e.rows[1] - e.rows[0], *spec.shape[1:])
 
 
 def unpack(

@@ -71,8 +71,6 @@ class RankWrites:
         self.me = dist.get_rank(gatherer.group)
         self.owner: dict[int, int] = {}  # bucket index -> _GATHERED (the leader gathers) or _RANKS
         self.pieces: dict[str, list[tuple[int, dict[str, Any]]]] = {}  # checkpoint name -> (rank, piece) each
-        self.buckets = 0
-        """Buckets other ranks wrote pieces of in the last transfer."""
 
     def plan(self, manifest: WeightUpdateManifest, bucket_bytes: int) -> list[Bucket]:
         """Buckets of whole tensors: gathered ones first, then those the ranks write (each cut at the ranks'
@@ -117,7 +115,6 @@ class RankWrites:
         """Every bucket of ``plan`` staged: gathered ones first (they need every rank), through ``local(bucket)``;
         then those the ranks write, each into ``written(bucket)`` and staged with ``stage(bucket, descriptor)``
         while every rank writes the next one."""
-        self.buckets = 0
         for bucket in plan:
             if self.owner[bucket.index] == _GATHERED:
                 local(bucket)
@@ -127,7 +124,8 @@ class RankWrites:
                 if self.owner[bucket.index] != _RANKS:
                     continue
                 file = files.enter_context(written(bucket))
-                self._fill(bucket, file, previous and functools.partial(stage, previous[0], previous[1].descriptor))
+                staged = None if previous is None else functools.partial(stage, previous[0], previous[1].descriptor)
+                self._fill(bucket, file, staged)
                 previous = bucket, file
             if previous is not None:
                 stage(previous[0], previous[1].descriptor)
@@ -144,15 +142,15 @@ class RankWrites:
                 (mine if rank == self.me else theirs.setdefault(str(rank), [])).append(piece)
         if theirs:
             self.gatherer.announce(WRITE, -1, {"path": file.path, "pieces": theirs})
-            self.buckets += 1
         failed: list[BaseException] = []
-        aside = threading.Thread(target=_catching, args=(meanwhile, failed), name="hotweights-stage", daemon=True)
+        aside = None
         if meanwhile is not None:
+            aside = threading.Thread(target=_catching, args=(meanwhile, failed), name="hotweights-stage", daemon=True)
             aside.start()
         try:
             write_pieces(file, mine, self.gatherer.sources, self.gatherer.group)
         finally:  # every rank named answers, whatever happened here: none is left waiting
-            if meanwhile is not None:
+            if aside is not None:
                 aside.join()
             answers = {int(r): _receive(int(r), self.gatherer) for r in theirs}
         if failed:
@@ -167,10 +165,9 @@ class RankWrites:
                 )
 
 
-def _catching(call: Callable[[], None] | None, failed: list[BaseException]) -> None:
+def _catching(call: Callable[[], None], failed: list[BaseException]) -> None:
     try:
-        if call is not None:
-            call()
+        call()
     except BaseException as exc:
         failed.append(exc)
 

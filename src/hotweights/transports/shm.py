@@ -312,8 +312,7 @@ def _write(fd: int, views: list[memoryview]) -> None:
         for view in chunk:  # a short write (tmpfs does not make them, but the call may): the rest one by one
             n = min(done, view.nbytes)
             done -= n
-            while n < view.nbytes:
-                n += os.pwrite(fd, view[n:], offset + n)
+            _write_at(fd, view[n:], offset + n)
             offset += view.nbytes
 
 
@@ -347,21 +346,17 @@ class BucketFile:
         end = offset + math.prod(full) * data.element_size()
         if offset < 0 or end > self.size:
             raise ValueError(f"bytes [{offset}, {end}) lie outside the bucket file ({self.size} bytes)")
-        data = data.detach().cpu().contiguous()
+        raw = memoryview(data.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
         outer = math.prod(full[:dim])
         if whole or outer == 1 or not data.numel():  # one run of bytes
-            _write_at(self.fd, data, offset + start * step)
+            _write_at(self.fd, raw, offset + start * step)
             return
         # One run per index of the dimensions before ``dim`` (a row of columns): a system call each, on this thread
         # (a mapping's strided copy ran on torch's threads, against the other ranks' writes: 4-6x slower here).
-        runs = memoryview(data.reshape(-1).view(torch.uint8).numpy()).cast("B")  # type: ignore[arg-type]
         length, stride = count * step, full[dim] * step
         at = offset + start * step
         for i in range(outer):
-            run = runs[i * length : (i + 1) * length]
-            done = os.pwrite(self.fd, run, at + i * stride)
-            while done < length:  # a short write (tmpfs does not make them, but the call may)
-                done += os.pwrite(self.fd, run[done:], at + i * stride + done)
+            _write_at(self.fd, raw[i * length : (i + 1) * length], at + i * stride)
 
 
 @contextlib.contextmanager
@@ -378,9 +373,9 @@ def opened_for_writes(path: str) -> Iterator[BucketFile]:
         os.close(fd)
 
 
-def _write_at(fd: int, data: torch.Tensor, offset: int) -> None:
-    """A contiguous CPU tensor's bytes at ``offset`` of the file behind ``fd``."""
-    view = memoryview(data.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
+def _write_at(fd: int, view: memoryview, offset: int) -> None:
+    """All of ``view`` at ``offset`` of the file behind ``fd`` (``pwrite`` again after a short write: tmpfs does not
+    make them, but the call may)."""
     done = 0
     while done < view.nbytes:
         done += os.pwrite(fd, view[done:], offset + done)
