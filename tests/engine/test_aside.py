@@ -14,7 +14,9 @@ import torch
 
 import hotweights
 from hotweights.adapters import VLLMInProcessAdapter, VLLMMultiprocessAdapter
+from hotweights.adapters.installer import ASIDE_BUCKET_BYTES
 from hotweights.core import two_phase
+from hotweights.core.buckets import default_bucket_bytes
 
 from .conftest import Checkpoints, TinyCheckpoint, Variant, greedy_vllm, our_shm, start_engine, stop_engine
 
@@ -141,3 +143,14 @@ def test_aside_refuses_what_it_cannot_do(inprocess: Served, multiprocess: Served
     with pytest.raises(hotweights.EngineNotSupportedError, match="aside"):
         hotweights.install(inprocess.llm, inprocess.a.state_dict(), weight_version=10_000, adapter=adapter, delta=True)
     assert inprocess.llm.llm_engine.get_weight_version() == version
+
+
+def test_aside_keeps_its_buckets_small(multiprocess: Served) -> None:
+    """Each aside bucket is built inside its stage call, which holds the engine's step loop: by default its buckets
+    stay at ASIDE_BUCKET_BYTES while an atomic install's take the transport's larger preferred size."""
+    aside = VLLMMultiprocessAdapter(multiprocess.llm, install_method="aside")
+    atomic = VLLMMultiprocessAdapter(multiprocess.llm)
+    assert atomic.transport.preferred_bucket_bytes > ASIDE_BUCKET_BYTES
+    assert aside.bucket_size == default_bucket_bytes(ASIDE_BUCKET_BYTES) < atomic.bucket_size  # type: ignore[operator]
+    given = VLLMMultiprocessAdapter(multiprocess.llm, install_method="aside", bucket_bytes=1 << 30)
+    assert given.bucket_size == 1 << 30

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from hotweights.adapters import installer
+from hotweights.adapters.installer import ASIDE_BUCKET_BYTES, GATHERED_BUCKET_BYTES, bucket_default
 from hotweights.adapters.options import InstallerOptions, PathAbilities
 from hotweights.core.errors import EngineNotSupportedError
 
@@ -39,3 +41,14 @@ def test_aside_refuses_verify_and_delta() -> None:
 def test_unknown_method_names_the_four() -> None:
     with pytest.raises(ValueError, match="'auto', 'reload', 'direct' or 'aside'"):
         InstallerOptions(install_method="fast").validate(PATH)  # type: ignore[arg-type]
+
+
+def test_default_buckets_stay_small_where_they_hold_something(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A default bucket is the transport's preferred size, except an aside bucket (built inside one ``stage``
+    call, holding the engine's step loop) and a bucket the leader of a sharded state dict gathers (held on its
+    device): at most 32 MiB each."""
+    monkeypatch.setattr(installer, "default_bucket_bytes", lambda preferred: preferred)  # no free-memory cap here
+    assert bucket_default(128 << 20, "auto") == bucket_default(128 << 20, "direct") == 128 << 20
+    assert bucket_default(128 << 20, "aside") == ASIDE_BUCKET_BYTES == 32 << 20
+    assert bucket_default(128 << 20, "auto", gathered=True) == GATHERED_BUCKET_BYTES == 32 << 20
+    assert bucket_default(16 << 20, "aside", gathered=True) == 16 << 20

@@ -61,6 +61,24 @@ def _assert_same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) ->
         assert torch.equal(got[name], t), name
 
 
+def _kernel() -> tuple[int, ...]:
+    release = os.uname().release.split("-")[0]
+    return tuple(int(x) for x in release.split(".")[:2] if x.isdigit())
+
+
+def _mapped_kib(address: int) -> int:
+    """Rss (KiB) of the mapping of this process that holds ``address``."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            start, end = (int(x, 16) for x in head.split("-"))
+            inside = start <= address < end
+        elif inside and head == "Rss:":
+            return int(line.split()[1])
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
 def _own_segments() -> list[Path]:
     return sorted(shm.SHM_DIR.glob(f"hotweights-{os.getpid()}-*"))
 
@@ -397,6 +415,26 @@ class TestShm:
         assert not paths[0].exists()
         assert paths[0] not in shm._LIVE
         assert _own_segments() == []
+
+    @pytest.mark.parametrize("kept", [False, True])
+    def test_a_bucket_is_mapped_at_its_stage_not_at_the_commit(self, kept: bool) -> None:
+        """The worker maps a bucket's pages when it stages it (``MADV_POPULATE_READ``): the commit, inside the
+        pause, then reads them without faulting each page in. Read from the mapping's Rss in /proc/self/smaps."""
+        if _kernel() < (5, 14):
+            pytest.skip("MADV_POPULATE_READ needs Linux 5.14")
+        tensors = {"w": torch.arange(1 << 20, dtype=torch.float32)}  # 4 MiB
+        m = _manifest(tensors)
+        (bucket,) = plan_buckets(m, bucket_bytes=8 << 20)
+        rss: list[int] = []
+
+        def stage(descriptor: dict[str, Any]) -> None:
+            buffer, _keepalive = shm.open_bucket(descriptor, _Worker())
+            rss.append(_mapped_kib(buffer.data_ptr()))
+            assert torch.equal(dict(unpack(buffer, bucket, m))["w"], tensors["w"])
+
+        with shm.Transport(keep_segments=kept) as transport:
+            transport.send(bucket, tensors, stage)
+        assert rss == [4096]
 
     def test_open_bucket_refuses_a_directory_other_than_shm_dir(self, tmp_path: Path) -> None:
         path = tmp_path / f"hotweights-{os.getpid()}-x"

@@ -36,7 +36,33 @@ from hotweights.vllm.worker.session import SessionOptions, refusal
 if TYPE_CHECKING:
     from typing_extensions import Unpack
 
-__all__ = ["Installer", "SessionAdapterOptions", "VLLMSessionAdapter", "split_options"]
+__all__ = [
+    "ASIDE_BUCKET_BYTES",
+    "GATHERED_BUCKET_BYTES",
+    "Installer",
+    "SessionAdapterOptions",
+    "VLLMSessionAdapter",
+    "bucket_default",
+    "split_options",
+]
+
+#: Most bytes of a default bucket with ``install_method="aside"``: a multiprocess worker builds each bucket inside
+#: its ``stage`` call, which holds the engine's step loop (and every running request) for that long.
+ASIDE_BUCKET_BYTES = 32 << 20
+#: Most bytes of a default bucket that the leader of a sharded state dict gathers (rank writes off or not possible):
+#: it holds about two such buckets at once, on the trainer's device.
+GATHERED_BUCKET_BYTES = 32 << 20
+
+
+def bucket_default(preferred: int, method: str, *, gathered: bool = False) -> int:
+    """Bytes per bucket when none was given: the transport's ``preferred`` size, at most :data:`ASIDE_BUCKET_BYTES`
+    for ``install_method="aside"`` and :data:`GATHERED_BUCKET_BYTES` for the buckets the leader of a sharded state
+    dict gathers, capped by free memory (:func:`~hotweights.core.buckets.default_bucket_bytes`)."""
+    if method == "aside":
+        preferred = min(preferred, ASIDE_BUCKET_BYTES)
+    if gathered:
+        preferred = min(preferred, GATHERED_BUCKET_BYTES)
+    return default_bucket_bytes(preferred)
 
 
 class SessionAdapterOptions(EngineOptions, total=False):
@@ -126,7 +152,7 @@ class Installer(VLLMEngineAdapter):
         the transport hands the whole update over by reference (one bucket, nothing packed)."""
         if self.transport.by_reference:
             return None
-        return self.bucket_bytes or default_bucket_bytes(self.transport.preferred_bucket_bytes)
+        return self.bucket_bytes or bucket_default(self.transport.preferred_bucket_bytes, self.install_method)
 
     @property
     def sends_bytes(self) -> bool:
@@ -234,6 +260,8 @@ class Installer(VLLMEngineAdapter):
         size = member.bucket_bytes if member and self.bucket_size else self.bucket_size
         split = getattr(tensors, "splits", None)  # a sharded state dict: tensors over a bucket travel in parts
         ranks = self._rank_writes(tensors, options, member)
+        if split is not None and ranks is None and size and not self.bucket_bytes:
+            size = min(size, bucket_default(self.transport.preferred_bucket_bytes, self.install_method, gathered=True))
         limit = size or (
             default_bucket_bytes(self.transport.preferred_bucket_bytes) if ranks is not None else sys.maxsize
         )

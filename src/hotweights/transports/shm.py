@@ -451,8 +451,9 @@ class Transport(WeightTransport):
     """
 
     name = "shm"
-    # measured: 16-32 MiB buckets installed ~2x faster than 512 MiB ones (new shm pages are costly to fill at once)
-    preferred_bucket_bytes = 32 << 20
+    # measured (150m, 612 MB, one engine): 128 MiB buckets 0.34-0.35 s against 0.38-0.39 s for 32 MiB (each bucket is
+    # one stage round trip through the engine), with reused files and with fresh ones (0.56 s against 0.62 s)
+    preferred_bucket_bytes = 128 << 20
 
     def __init__(self, keep_segments: bool | None = None) -> None:
         # Files of senders that died (SIGKILL skips every clean-up) go first: those no live process holds locked.
@@ -696,6 +697,7 @@ def _open_kept(descriptor: Descriptor, path: Path, nbytes: int, worker: Any) -> 
             mm = mmap.mmap(fd, os.fstat(fd).st_size)  # shared: the trainer's next writes are seen here
         finally:
             os.close(fd)
+        _populate(mm, len(mm))  # once: the trainer rewrites the same pages, so they stay mapped
         pid = int(path.name[len(_PREFIX) :].split("-", 1)[0])
         segments[sid] = (pid if Path(f"/proc/{pid}").exists() else None, mm)
     mm = segments[sid][1]
@@ -703,6 +705,19 @@ def _open_kept(descriptor: Descriptor, path: Path, nbytes: int, worker: Any) -> 
         raise ValueError(f"segment {sid} holds {len(mm)} bytes, the bucket needs {nbytes}")
     buffer = torch.frombuffer(mm, dtype=torch.uint8, count=nbytes) if nbytes else torch.empty(0, dtype=torch.uint8)
     return buffer, mm
+
+
+#: ``madvise`` advice that maps a range's pages without copying them (Linux 5.14; not named by Python's ``mmap``).
+_MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)
+
+
+def _populate(mm: mmap.mmap, nbytes: int) -> None:
+    """Map the first ``nbytes`` of ``mm`` now, at the bucket's stage, so that the commit does not fault each page
+    in (612 MB: ~0.045 s of one core). Copy-on-write pages stay shared. Older kernels refuse it: then the pages
+    fault in when read, as before."""
+    if nbytes:
+        with contextlib.suppress(OSError, ValueError):
+            mm.madvise(_MADV_POPULATE_READ, 0, nbytes)
 
 
 def open_bucket(descriptor: Descriptor, worker: Any = None) -> tuple[torch.Tensor, Any]:
@@ -727,5 +742,6 @@ def open_bucket(descriptor: Descriptor, worker: Any = None) -> tuple[torch.Tenso
         mm = mmap.mmap(fd, max(nbytes, 1), access=mmap.ACCESS_COPY)
     finally:
         os.close(fd)
+    _populate(mm, nbytes)
     buffer = torch.frombuffer(mm, dtype=torch.uint8, count=nbytes) if nbytes else torch.empty(0, dtype=torch.uint8)
     return buffer, mm
