@@ -66,15 +66,15 @@ def _kernel() -> tuple[int, ...]:
     return tuple(int(x) for x in release.split(".")[:2] if x.isdigit())
 
 
-def _mapped_kib(address: int) -> int:
-    """Rss (KiB) of the mapping of this process that holds ``address``."""
+def _mapped_kib(address: int, field: str = "Rss") -> int:
+    """``field`` (KiB) of /proc/self/smaps for the mapping of this process that holds ``address``."""
     inside = False
     for line in Path("/proc/self/smaps").read_text().splitlines():
         head = line.split()[0]
         if "-" in head and not head.endswith(":"):
             start, end = (int(x, 16) for x in head.split("-"))
             inside = start <= address < end
-        elif inside and head == "Rss:":
+        elif inside and head == f"{field}:":
             return int(line.split()[1])
     raise AssertionError(f"no mapping holds {address:#x}")
 
@@ -430,6 +430,7 @@ class TestShm:
         def stage(descriptor: dict[str, Any]) -> None:
             buffer, _keepalive = shm.open_bucket(descriptor, _Worker())
             rss.append(_mapped_kib(buffer.data_ptr()))
+            assert _mapped_kib(buffer.data_ptr(), "Anonymous") == 0  # mapped, not copied (copy-on-write intact)
             assert torch.equal(dict(unpack(buffer, bucket, m))["w"], tensors["w"])
 
         with shm.Transport(keep_segments=kept) as transport:
