@@ -15,6 +15,8 @@ once per model, same settings), after first asserting that A and B give differen
   default since 0.32, the only one in 0.34; the line names it), then generation through the captured graphs;
 - ``v2-direct``: the same engine, ``install_method="direct"`` (parameters written in place under the graphs);
 - ``v2-reload-forced``: the same engine, ``install_method="reload"`` (vLLM's layerwise reload, tied-head mend);
+- ``aside-refused``: the same engine, ``install_method="aside"`` (CPU only: CUDA graphs hold the parameters'
+  addresses) is refused before writing, its version unchanged, and the engine still serves B;
 - ``sleep-wake``: that engine asleep (level 1) refuses the install typed, then installs after ``wake_up``;
 - ``extension-shm``: a multiprocess ``LLM`` with the worker extension, buckets through shm;
 - ``cuda-ipc``: the same engine, CUDA tensors through the ``cuda_ipc`` transport (same GPU);
@@ -45,13 +47,19 @@ from typing import Any
 import torch
 
 import hotweights
-from hotweights.adapters import VLLMInProcessWeightReloadAdapter, VLLMMultiprocessAdapter, VLLMWeightTransferAdapter
+from hotweights.adapters import (
+    VLLMInProcessAdapter,
+    VLLMInProcessWeightReloadAdapter,
+    VLLMMultiprocessAdapter,
+    VLLMWeightTransferAdapter,
+)
 from hotweights.testing import build_tiny_model, greedy_vllm, start_engine, stop_engine
 
 CHECKS = (
     "v2-reload",
     "v2-direct",
     "v2-reload-forced",
+    "aside-refused",
     "sleep-wake",
     "extension-shm",
     "cuda-ipc",
@@ -119,7 +127,7 @@ def main() -> int:
     device = "cuda"
     if args.cpu:
         device = "cpu"
-        only = [c for c in only if c not in ("cuda-ipc", "kv-loan")]
+        only = [c for c in only if c not in ("cuda-ipc", "kv-loan", "aside-refused")]  # aside is taken on CPU
     elif not torch.cuda.is_available():
         print("SKIP all: no CUDA GPU here (--cpu: a smoke run of the checks that need none)")
         return 0
@@ -158,7 +166,7 @@ def main() -> int:
 
     with tempfile.TemporaryDirectory(prefix="hotweights-gpu-") as tmp:
         qwen = Pair("qwen2", Path(tmp))
-        inprocess = {"v2-reload", "v2-direct", "v2-reload-forced", "sleep-wake"}
+        inprocess = {"v2-reload", "v2-direct", "v2-reload-forced", "aside-refused", "sleep-wake"}
         if inprocess & set(only):
             llm = start_engine(qwen.paths[0], multiprocess=False, **GPU)
             try:
@@ -175,6 +183,24 @@ def main() -> int:
                         llm, qwen, qwen.b(), 1, adapter=VLLMInProcessWeightReloadAdapter(llm, install_method="reload")
                     ),
                 )
+
+                def aside_refused() -> str:
+                    before = llm.llm_engine.get_weight_version()
+                    aside = VLLMInProcessAdapter(llm, install_method="aside")
+                    try:
+                        hotweights.install(llm, qwen.a(), weight_version=version[0] + 1, adapter=aside)
+                    except hotweights.HotWeightsError as exc:  # an InstallError: failed before the model was touched
+                        if "install_method='aside'" not in str(exc):
+                            raise
+                    else:
+                        raise AssertionError("install_method='aside' was taken on a GPU engine")
+                    if llm.llm_engine.get_weight_version() != before:
+                        raise AssertionError(f"the refused install moved the version from {before}")
+                    if greedy_vllm(llm) != qwen.fresh[1]:
+                        raise AssertionError("after the refused aside install the engine no longer serves B")
+                    return f"refused, still v{before} serving B"
+
+                check("aside-refused", aside_refused)
 
                 def sleep_wake() -> str:
                     llm.sleep(level=1)
