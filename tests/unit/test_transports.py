@@ -416,6 +416,23 @@ class TestShm:
         assert paths[0] not in shm._LIVE
         assert _own_segments() == []
 
+    def test_buckets_fit_a_small_shm_filesystem(self, monkeypatch: Any) -> None:
+        """128 MiB buckets by default, at most an eighth of SHM_DIR's filesystem (Docker's default 64 MiB
+        /dev/shm: 8 MiB, which the adapters' 16 MiB floor raises)."""
+        from hotweights.core.buckets import default_bucket_bytes
+
+        real = os.statvfs(shm.SHM_DIR)
+        assert shm.Transport().preferred_bucket_bytes == min(128 << 20, real.f_blocks * real.f_frsize // 8)
+
+        class Small:
+            f_blocks, f_frsize = 64 << 8, 4096  # 64 MiB
+
+        monkeypatch.setattr(shm.os, "statvfs", lambda path: Small())
+        small = shm.Transport()
+        assert small.preferred_bucket_bytes == 8 << 20
+        assert default_bucket_bytes(small.preferred_bucket_bytes) == 16 << 20
+        assert shm.Transport.preferred_bucket_bytes == 128 << 20  # the class keeps its own
+
     @pytest.mark.parametrize("kept", [False, True])
     def test_a_bucket_is_mapped_at_its_stage_not_at_the_commit(self, kept: bool) -> None:
         """The worker maps a bucket's pages when it stages it (``MADV_POPULATE_READ``): the commit, inside the

@@ -247,6 +247,16 @@ REUSE_BUDGET = 1 << 30
 REUSE_ENV = "HOTWEIGHTS_SHM_REUSE_BYTES"
 
 
+def _bucket_bytes() -> int:
+    """:attr:`Transport.preferred_bucket_bytes`, at most an eighth of ``SHM_DIR``'s filesystem: a streaming
+    commit then keeps its few live buckets within a small ``/dev/shm``."""
+    try:
+        st = os.statvfs(SHM_DIR)
+    except OSError:
+        return Transport.preferred_bucket_bytes
+    return min(Transport.preferred_bucket_bytes, st.f_blocks * st.f_frsize // 8)
+
+
 def _reuse_budget() -> int:
     """:data:`REUSE_BUDGET` (or ``$HOTWEIGHTS_SHM_REUSE_BYTES``), at most a sixteenth of ``SHM_DIR``'s filesystem
     (Docker's default /dev/shm, 64 MiB: 4 MiB)."""
@@ -452,7 +462,8 @@ class Transport(WeightTransport):
 
     name = "shm"
     # measured (150m, 612 MB, one engine): 128 MiB buckets 0.34-0.35 s against 0.38-0.39 s for 32 MiB (each bucket is
-    # one stage round trip through the engine), with reused files and with fresh ones (0.56 s against 0.62 s)
+    # one stage round trip through the engine), with reused files and with fresh ones (0.56 s against 0.62 s); at most
+    # an eighth of SHM_DIR's filesystem per instance (Docker's default 64 MiB /dev/shm: the 16 MiB floor)
     preferred_bucket_bytes = 128 << 20
 
     def __init__(self, keep_segments: bool | None = None) -> None:
@@ -465,6 +476,7 @@ class Transport(WeightTransport):
         self._engine: EngineLink | None = None
         self._one_segment = False
         self._budget = _reuse_budget() if keep_segments is None else 0
+        self.preferred_bucket_bytes = _bucket_bytes()
         self._files: dict[int, _File] = {}  # bucket index -> its file, rewritten by every install
         self._lock = threading.Lock()  # sends may run on several threads (a pipelined install): the two dicts
         # Dropped (with its adapter, handle or engine): the files and segments go; the finalizer holds no reference

@@ -57,8 +57,9 @@ class WeightTransport(ABC):
 
     #: Registry name; also the ``"transport"`` key of its descriptors.
     name: ClassVar[str]
-    #: Bucket size this transport moves fastest (adapters use it unless given one; capped by free memory).
-    preferred_bucket_bytes: ClassVar[int] = 64 << 20
+    #: Bucket size this transport moves fastest (adapters use it unless given one; capped by free memory). A
+    #: transport may set its own per instance (shm: by the size of its filesystem).
+    preferred_bucket_bytes: int = 64 << 20
     #: Whether one packed bucket can be staged by several engines (a fleet writes it once for all of them): True
     #: for transports that keep nothing per engine between installs.
     shareable: bool = False
