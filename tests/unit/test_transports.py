@@ -433,6 +433,11 @@ class TestShm:
         assert default_bucket_bytes(small.preferred_bucket_bytes) == 16 << 20
         assert shm.Transport.preferred_bucket_bytes == 128 << 20  # the class keeps its own
 
+        class Mine(shm.Transport):
+            preferred_bucket_bytes = 4 << 20
+
+        assert Mine().preferred_bucket_bytes == 4 << 20  # a subclass's own size, under the cap
+
     @pytest.mark.parametrize("kept", [False, True])
     def test_a_bucket_is_mapped_at_its_stage_not_at_the_commit(self, kept: bool) -> None:
         """The worker maps a bucket's pages when it stages it (``MADV_POPULATE_READ``): the commit, inside the

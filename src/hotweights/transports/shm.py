@@ -247,14 +247,14 @@ REUSE_BUDGET = 1 << 30
 REUSE_ENV = "HOTWEIGHTS_SHM_REUSE_BYTES"
 
 
-def _bucket_bytes() -> int:
-    """:attr:`Transport.preferred_bucket_bytes`, at most an eighth of ``SHM_DIR``'s filesystem: a streaming
-    commit then keeps its few live buckets within a small ``/dev/shm``."""
+def _bucket_bytes(preferred: int) -> int:
+    """``preferred``, at most an eighth of ``SHM_DIR``'s filesystem: a streaming commit then keeps its few live
+    buckets within a small ``/dev/shm``."""
     try:
         st = os.statvfs(SHM_DIR)
     except OSError:
-        return Transport.preferred_bucket_bytes
-    return min(Transport.preferred_bucket_bytes, st.f_blocks * st.f_frsize // 8)
+        return preferred
+    return min(preferred, st.f_blocks * st.f_frsize // 8)
 
 
 def _reuse_budget() -> int:
@@ -476,7 +476,7 @@ class Transport(WeightTransport):
         self._engine: EngineLink | None = None
         self._one_segment = False
         self._budget = _reuse_budget() if keep_segments is None else 0
-        self.preferred_bucket_bytes = _bucket_bytes()
+        self.preferred_bucket_bytes = _bucket_bytes(type(self).preferred_bucket_bytes)  # a subclass's own, capped
         self._files: dict[int, _File] = {}  # bucket index -> its file, rewritten by every install
         self._lock = threading.Lock()  # sends may run on several threads (a pipelined install): the two dicts
         # Dropped (with its adapter, handle or engine): the files and segments go; the finalizer holds no reference
