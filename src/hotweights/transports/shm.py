@@ -247,14 +247,20 @@ REUSE_BUDGET = 1 << 30
 REUSE_ENV = "HOTWEIGHTS_SHM_REUSE_BYTES"
 
 
-def _bucket_bytes(preferred: int) -> int:
-    """``preferred``, at most an eighth of ``SHM_DIR``'s filesystem: a streaming commit then keeps its few live
-    buckets within a small ``/dev/shm``."""
+def _shm_bytes() -> int | None:
+    """The size of ``SHM_DIR``'s filesystem (None: it cannot be read)."""
     try:
         st = os.statvfs(SHM_DIR)
     except OSError:
-        return preferred
-    return min(preferred, st.f_blocks * st.f_frsize // 8)
+        return None
+    return st.f_blocks * st.f_frsize
+
+
+def _bucket_bytes(preferred: int) -> int:
+    """``preferred``, at most an eighth of ``SHM_DIR``'s filesystem: a streaming commit then keeps its few live
+    buckets within a small ``/dev/shm``."""
+    size = _shm_bytes()
+    return preferred if size is None else min(preferred, size // 8)
 
 
 def _reuse_budget() -> int:
@@ -267,11 +273,8 @@ def _reuse_budget() -> int:
             budget = max(0, int(text))
         except ValueError:
             logger.warning("hotweights: %s=%r is not a number of bytes; using %d", REUSE_ENV, text, budget)
-    try:
-        st = os.statvfs(SHM_DIR)
-    except OSError:
-        return 0
-    return min(budget, st.f_blocks * st.f_frsize // 16)
+    size = _shm_bytes()
+    return 0 if size is None else min(budget, size // 16)
 
 
 @dataclass
