@@ -1,13 +1,13 @@
 """Issue 12's speed target: the default multiprocess install against the in-process adapter, in alternating rounds.
 
 Two engines on the same checkpoint stay alive side by side: an in-process ``vllm.LLM`` (installed into by
-``VLLMInProcessWeightReloadAdapter``) and a multiprocess one started with hotweights' worker extension (installed
-into by ``VLLMMultiprocessAdapter(llm)`` with no options: what ``hotweights.install`` takes there). Each round
-installs the next of two checkpoints (A, B, A, ...) into each engine, one after the other, so both see the same
+``VLLMInProcessAdapter(llm, install_method="reload")``) and a multiprocess one started with hotweights' worker extension
+(installed into by ``VLLMMultiprocessAdapter(llm)`` with no options: what ``hotweights.install`` takes there). Each
+round installs the next of two checkpoints (A, B, A, ...) into each engine, one after the other, so both see the same
 machine at nearly the same time: on shared cores a block of one method's installs can land in a slow spell that the
 other's missed. Reported: every time, the medians, their ratio and the median of the per-round ratios; the default
-install's phases; and vLLM's own CPU re-packing inside the in-process installs (``process_weights_after_loading`` of
-the linear layers, timed by wrapping it in this process), which both paths pay once per linear layer.
+install's phases; and vLLM's own CPU re-packing inside the in-process installs (``process_weights_after_loading`` of the
+linear layers, timed by wrapping it in this process), which both paths pay once per linear layer.
 
 After the rounds, greedy tokens of both engines must equal HF transformers' on the last checkpoint (exit 1 if not).
 
@@ -30,7 +30,7 @@ import torch
 
 import hotweights
 from hotweights import WeightUpdateManifest
-from hotweights.adapters import VLLMInProcessWeightReloadAdapter, VLLMMultiprocessAdapter
+from hotweights.adapters import VLLMInProcessAdapter, VLLMMultiprocessAdapter
 from hotweights.core.names import to_checkpoint
 from hotweights.testing import build_tiny_model, greedy_hf, greedy_vllm, start_engine, stop_engine
 
@@ -113,7 +113,7 @@ def main() -> None:
         multiprocess = start_engine(path, multiprocess=True, worker_extension_cls=hotweights.WORKER_EXTENSION)
         try:
             adapters = {
-                "in-process adapter": VLLMInProcessWeightReloadAdapter(inprocess),
+                "in-process adapter": VLLMInProcessAdapter(inprocess, install_method="reload"),
                 "multiprocess default": VLLMMultiprocessAdapter(multiprocess),
             }
             times: dict[str, list[float]] = {name: [] for name in adapters}

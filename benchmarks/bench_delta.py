@@ -24,6 +24,7 @@ import statistics
 import sys
 import tempfile
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +32,7 @@ import torch
 
 import hotweights
 from hotweights import InstallReport, WeightUpdateManifest
-from hotweights.adapters import VLLMInProcessWeightReloadAdapter, VLLMMultiprocessAdapter
+from hotweights.adapters import VLLMInProcessAdapter, VLLMMultiprocessAdapter
 from hotweights.testing import build_tiny_model, greedy_vllm, save_tiny_model, start_engine, stop_engine
 
 StateDict = dict[str, torch.Tensor]
@@ -129,7 +130,7 @@ def main() -> int:
             rows, same = bench_engine(
                 "in-process",
                 lambda: start_engine(path, multiprocess=False, **common),
-                VLLMInProcessWeightReloadAdapter,
+                partial(VLLMInProcessAdapter, install_method="reload"),
                 a,
                 args,
             )

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 import hotweights
-from hotweights.adapters.installer import VLLMSessionAdapter
+from hotweights.adapters.installer import Installer
 from hotweights.fleet import Calibration, estimate
 from hotweights.testing import PROMPTS, build_tiny_model, greedy_hf, greedy_vllm, start_engine, stop_engine
 
@@ -52,7 +52,7 @@ MODELS: dict[str, dict[str, dict[str, Any]]] = {
 class StageClock:
     """Seconds the trainer spends inside the workers' ``stage`` calls (the rest of a transfer is its write)."""
 
-    def __init__(self, adapter: VLLMSessionAdapter) -> None:
+    def __init__(self, adapter: Installer) -> None:
         self.seconds = 0.0
         stage = adapter.wire.stage
 
@@ -101,7 +101,7 @@ def bench_model(name: str, size: str, repeats: int, tmp: Path) -> tuple[list[dic
         clocks = []
         for llm in llms:
             adapter = hotweights.adapter_for(llm)
-            assert isinstance(adapter, VLLMSessionAdapter)
+            assert isinstance(adapter, Installer)
             clocks.append(StageClock(adapter))
 
         def step(fn: Any) -> float:

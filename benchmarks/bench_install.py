@@ -40,7 +40,7 @@ import torch
 
 import hotweights
 from hotweights import InstallReport, WeightUpdateManifest
-from hotweights.adapters import VLLMDirectSetterAdapter, VLLMInProcessWeightReloadAdapter, WeightInstallAdapter
+from hotweights.adapters import VLLMDirectSetterAdapter, VLLMInProcessAdapter, WeightInstallAdapter
 from hotweights.testing import (
     PROMPTS,
     build_tiny_model,
@@ -186,7 +186,7 @@ def bench_dtype(
     llm = start_engine(path, dtype=dtype_name)
     try:
         installer = Installer()
-        inprocess = installer.adopt(VLLMInProcessWeightReloadAdapter(llm))
+        inprocess = installer.adopt(VLLMInProcessAdapter(llm, install_method="reload"))
 
         def bare_reload(sd: StateDict) -> float:
             t0 = time.perf_counter()

@@ -37,7 +37,7 @@ import torch
 import hotweights
 from hotweights import InstallReport, WeightUpdateManifest
 from hotweights.adapters import (
-    VLLMInProcessWeightReloadAdapter,
+    VLLMInProcessAdapter,
     VLLMMultiprocessAdapter,
     VLLMWeightsPathAdapter,
     WeightInstallAdapter,
@@ -235,7 +235,7 @@ def bench_model(name: str, size: str, repeats: int, tmp: Path) -> tuple[list[Row
 
     llm = start_engine(path, multiprocess=False)
     try:
-        adapter = run.adopt(VLLMInProcessWeightReloadAdapter(llm))
+        adapter = run.adopt(VLLMInProcessAdapter(llm, install_method="reload"))
         rows.append(
             (name, IN_PROCESS, nbytes, median_seconds(f"[{name}] {IN_PROCESS}", partial(run, adapter), pair, repeats))
         )

@@ -49,7 +49,6 @@ import torch
 import hotweights
 from hotweights.adapters import (
     VLLMInProcessAdapter,
-    VLLMInProcessWeightReloadAdapter,
     VLLMMultiprocessAdapter,
     VLLMWeightTransferAdapter,
 )
@@ -174,13 +173,13 @@ def main() -> int:
                 check(
                     "v2-direct",
                     lambda: installed(
-                        llm, qwen, qwen.a(), 0, adapter=VLLMInProcessWeightReloadAdapter(llm, install_method="direct")
+                        llm, qwen, qwen.a(), 0, adapter=VLLMInProcessAdapter(llm, install_method="direct")
                     ),
                 )
                 check(
                     "v2-reload-forced",
                     lambda: installed(
-                        llm, qwen, qwen.b(), 1, adapter=VLLMInProcessWeightReloadAdapter(llm, install_method="reload")
+                        llm, qwen, qwen.b(), 1, adapter=VLLMInProcessAdapter(llm, install_method="reload")
                     ),
                 )
 

@@ -4,8 +4,6 @@
   Its ``docs/...`` links become site links, its links to other repository files (``examples/...``) plain text, and
   ``../README.md`` links in the pages point at the Quickstart.
 - The nav lists pages that may not exist yet (pages being written); missing ones are left out, with an INFO line.
-- Links to the hand-kept ``api.md`` that the generated reference replaced are redirected to the reference, with an
-  INFO line naming the page to update.
 - Sphinx roles in docstrings (``:class:`X```) are shown as plain code.
 """
 
@@ -23,35 +21,6 @@ log = logging.getLogger("mkdocs.hooks.hotweights")
 
 ROOT = Path(__file__).resolve().parent.parent
 QUICKSTART = "quickstart.md"
-
-# Names documented in the old docs/api.md (anchor: the name in lower case) -> their reference page now.
-OLD_API = {
-    **dict.fromkeys(["install", "adapter_for"], "install"),
-    **dict.fromkeys(
-        [
-            "WeightInstallAdapter",
-            "VLLMInProcessWeightReloadAdapter",
-            "VLLMDirectSetterAdapter",
-            "VLLMMultiprocessAdapter",
-            "VLLMWeightTransferAdapter",
-            "PrefixCachePolicy",
-            "WORKER_EXTENSION",
-        ],
-        "adapters",
-    ),
-    **dict.fromkeys(
-        ["WeightUpdateManifest", "TensorSpec", "ExpectedWeights", "WeightLayout", "InstallReport", "Mismatch"],
-        "manifests",
-    ),
-    **dict.fromkeys(["WeightTransport", "make_transport", "register_transport", "available_transports"], "transports"),
-}
-_OLD_ANCHORS = {name.lower(): name for name in OLD_API}
-# The names of those pages that left the top level: documented (and anchored) under their module's path now.
-_HOMES = {
-    name: f"hotweights.{page}"
-    for name, page in OLD_API.items()
-    if page in ("adapters", "transports") and name != "WORKER_EXTENSION"
-}
 
 _LINK = re.compile(r"\]\(([^)\s#]+\.md)(#[^)\s]*)?\)")
 _REPO_LINK = re.compile(r"\[([^\]]+)\]\((?!docs/|[a-z]+://|#)[^)\s]+\)")
@@ -94,12 +63,6 @@ def on_page_markdown(markdown: str, page: Any, config: Any, files: Files) -> str
         where = posixpath.normpath(posixpath.join(here, target))
         if where == "../README.md":
             return f"]({posixpath.relpath(QUICKSTART, here or '.')}{anchor})"
-        if where == "api.md":  # the hand-kept reference, replaced by the generated one
-            name = _OLD_ANCHORS.get(anchor.lstrip("#"))
-            new = f"reference/{OLD_API[name]}.md" if name else "reference/index.md"
-            log.info("%s links to the removed api.md%s: link %s instead", page.file.src_uri, anchor, new)
-            anchor = f"#{_HOMES.get(name, 'hotweights')}.{name}" if name else ""
-            return f"]({posixpath.relpath(new, here or '.')}{anchor})"
         return m.group(0)
 
     return _LINK.sub(relink, markdown)

@@ -5,18 +5,13 @@ The top level holds the verbs (``install``, ``install_async``, ``install_lora``,
 replicas: :mod:`hotweights.fleet`), the types a caller handles (manifests, specs, layouts, reports,
 ``WORKER_EXTENSION``) and every error. The rest lives in its submodule: adapter classes in :mod:`hotweights.adapters`,
 engine handles in :mod:`hotweights.handles`, transports in :mod:`hotweights.transports`, ``WeightVersions`` in
-:mod:`hotweights.versions`. The former top-level spellings of those (``hotweights.VLLMMultiprocessAdapter``, ...)
-still resolve, to the same objects.
+:mod:`hotweights.versions`.
 
 Example:
     >>> import hotweights                                                            # doctest: +SKIP
     >>> report = hotweights.install(llm, model.state_dict(), weight_version=step)    # doctest: +SKIP
 """
 
-from typing import Any as _Any
-
-import hotweights._moved  # noqa: F401 - old module spellings (hotweights.engine.worker_extension, ...) resolve
-from hotweights import adapters as _adapters
 from hotweights._install import adapter_for, detach, install, install_async
 from hotweights._lora import install_lora, install_lora_async, lora_request
 from hotweights.core.errors import (
@@ -85,26 +80,3 @@ __all__ = [
     "weight_version_of",
     "weight_versions_of",
 ]
-
-#: Names that were top-level exports before they moved to their submodule: ``hotweights.<name>`` still resolves
-#: (lazily, silently) to the object the submodule exports, but they are not in ``__all__`` or ``dir(hotweights)``.
-_MOVED = {
-    **dict.fromkeys(
-        [n for n in _adapters.__all__ if n not in ("Installer", "InstallerOptions", "VLLMInProcessAdapter")],
-        "hotweights.adapters",
-    ),
-    **dict.fromkeys(["EngineHandle", "PauseMode", "as_engine"], "hotweights.handles"),
-    **dict.fromkeys(
-        ["WeightTransport", "available_transports", "make_transport", "register_transport"], "hotweights.transports"
-    ),
-    "WeightVersions": "hotweights.versions",
-}
-
-
-def __getattr__(name: str) -> _Any:
-    home = _MOVED.get(name)
-    if home is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    from importlib import import_module
-
-    return getattr(import_module(home), name)

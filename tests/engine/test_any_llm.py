@@ -22,7 +22,7 @@ from hotweights import (
     UnprovenFamilyError,
     WeightManifestValidationError,
 )
-from hotweights.adapters import VLLMInProcessWeightReloadAdapter, VLLMMultiprocessAdapter, weights_path
+from hotweights.adapters import VLLMInProcessAdapter, VLLMMultiprocessAdapter, weights_path
 from hotweights.core.families import is_proven
 from hotweights.vllm import compat
 
@@ -233,7 +233,8 @@ def test_a_generation_loop_from_before_the_first_install_survives_eight_installs
         thread.start()
         while not outputs and not errors:  # it is generating, outside any gate
             time.sleep(0.01)
-        adapter = VLLMInProcessWeightReloadAdapter(llm, lock_timeout=60)  # the gate is made now; a hang fails fast
+        # the gate is made now; a hang fails fast
+        adapter = VLLMInProcessAdapter(llm, install_method="reload", lock_timeout=60)
         for version in range(1, 9):
             ckpt = b if version % 2 else a
             hotweights.install(llm, ckpt.state_dict(), weight_version=version, adapter=adapter)
@@ -256,7 +257,7 @@ def test_a_thread_driving_llm_engine_by_hand_never_steps_during_an_install(
     a, b = checkpoint(VARIANT, 1), checkpoint(VARIANT, 2)
     llm = start_engine(a.path, multiprocess=False)
     try:
-        adapter = VLLMInProcessWeightReloadAdapter(llm, lock_timeout=60)  # the gate exists from here on
+        adapter = VLLMInProcessAdapter(llm, install_method="reload", lock_timeout=60)  # the gate exists from here on
         engine = llm.llm_engine
         sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, detokenize=False)
         stop, batches, errors = threading.Event(), [], []
@@ -365,7 +366,7 @@ def test_a_request_added_on_one_thread_and_stepped_on_another_leaves_no_hold(
     a, b = checkpoint(VARIANT, 1), checkpoint(VARIANT, 2)
     llm = start_engine(a.path, multiprocess=False)
     try:
-        adapter = VLLMInProcessWeightReloadAdapter(llm, lock_timeout=20)  # the gate exists from here on
+        adapter = VLLMInProcessAdapter(llm, install_method="reload", lock_timeout=20)  # the gate exists from here on
         sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, detokenize=False)
         adder = threading.Thread(
             target=lambda: llm.llm_engine.add_request("by-hand", {"prompt_token_ids": list(PROMPTS[0])}, sp)

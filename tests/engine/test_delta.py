@@ -17,7 +17,7 @@ import torch
 
 import hotweights
 from hotweights import DeltaBaseMismatchError, InstallError, WeightUpdateManifest
-from hotweights.adapters import VLLMInProcessWeightReloadAdapter, VLLMMultiprocessAdapter
+from hotweights.adapters import VLLMInProcessAdapter, VLLMMultiprocessAdapter
 from hotweights.core.buckets import Bucket
 from hotweights.handles.llm import LLMHandle
 from hotweights.testing import greedy_hf
@@ -93,7 +93,7 @@ def test_a_full_install_through_another_adapter_keeps_the_delta_base(inprocess: 
     any adapter on it keeps the base current, so the next delta applies against what the engine serves. (It was
     per adapter: this delta was refused and sent everything.)"""
     b = trainer.b
-    other = VLLMInProcessWeightReloadAdapter(inprocess)
+    other = VLLMInProcessAdapter(inprocess, install_method="reload")
     other.install(WeightUpdateManifest.from_state_dict(b.state_dict(), weight_version=50), b.state_dict())
     assert greedy_vllm(inprocess) == b.fresh
     sd = nudged(b.state_dict(), seed=50)

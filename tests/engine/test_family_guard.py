@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import hotweights
-from hotweights.adapters import VLLMInProcessWeightReloadAdapter
+from hotweights.adapters import VLLMInProcessAdapter
 from hotweights.core import families
 from hotweights.vllm import compat
 
@@ -79,7 +79,7 @@ def test_an_install_that_leaves_a_layer_stale_fails_closed(
         return load(((n, t) for n, t in weights if "layers.1.mlp.down_proj" not in n), *args, **kwargs)
 
     monkeypatch.setattr(model, "load_weights", drops_a_layer)
-    adapter = VLLMInProcessWeightReloadAdapter(llm, install_method="reload")
+    adapter = VLLMInProcessAdapter(llm, install_method="reload")
     with pytest.raises(hotweights.FamilyProbeError, match="Qwen2ForCausalLM") as caught:
         hotweights.install(llm, b.state_dict(), weight_version=1, adapter=adapter)
     assert "tolerance" in str(caught.value)

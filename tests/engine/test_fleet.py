@@ -23,7 +23,7 @@ from hotweights import (
     PartialUpdateError,
     WeightManifestValidationError,
 )
-from hotweights.adapters.installer import VLLMSessionAdapter
+from hotweights.adapters.installer import Installer
 from hotweights.testing import EventLoopThread, start_async_engine
 
 from .conftest import TinyCheckpoint, Variant, greedy_vllm, our_shm, start_engine, stop_engine
@@ -122,7 +122,7 @@ def test_a_bad_update_is_refused_on_every_replica_before_any_write(replicas: Rep
 def test_a_commit_that_fails_fences_that_replica_alone(replicas: Replicas, monkeypatch: pytest.MonkeyPatch) -> None:
     replicas.install(replicas.a)
     adapter = hotweights.adapter_for(replicas.llms[1])
-    assert isinstance(adapter, VLLMSessionAdapter)
+    assert isinstance(adapter, Installer)
 
     def broken(update_id: str) -> list[Any]:
         raise RuntimeError("the engine's commit RPC failed")
@@ -187,7 +187,7 @@ def test_a_replica_killed_while_staging_aborts_the_others(replicas: Replicas, mo
     assert target.fresh != before  # a write that went through would show
     fleet = Fleet([survivor, doomed])
     adapter = hotweights.adapter_for(doomed)
-    assert isinstance(adapter, VLLMSessionAdapter)
+    assert isinstance(adapter, Installer)
     stage = adapter.wire.stage
     core = doomed.llm_engine.engine_core.resources.engine_manager.processes[0]
 

@@ -1,4 +1,5 @@
-"""VLLMInProcessWeightReloadAdapter against real in-process tiny vLLM engines (Qwen2, Llama; fp32, bf16; tied)."""
+"""VLLMInProcessAdapter(install_method="reload") against real in-process tiny vLLM engines (Qwen2, Llama; fp32,
+bf16; tied)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import torch
 
 import hotweights
 from hotweights import StaleWeightVersionError, WeightManifestValidationError, WeightUpdateManifest
-from hotweights.adapters import VLLMInProcessWeightReloadAdapter
+from hotweights.adapters import VLLMInProcessAdapter
 from hotweights.testing import build_tiny_model
 from hotweights.vllm.worker import ops as worker_ops
 from hotweights.vllm.worker.ops import reload_checkpoint_tensors
@@ -33,7 +34,7 @@ class Engine:
 
     def __init__(self, llm: Any, a: TinyCheckpoint, b: TinyCheckpoint, versions: Iterator[int]) -> None:
         self.llm, self.a, self.b = llm, a, b
-        self.adapter = VLLMInProcessWeightReloadAdapter(llm)
+        self.adapter = VLLMInProcessAdapter(llm, install_method="reload")
         self._versions = versions
 
     def version(self) -> int:
@@ -193,7 +194,7 @@ def test_prefix_cache_reset_prevents_stale_output(engine: Engine) -> None:
     assert a_long == [engine.a.fresh[-1]] != b_long
 
     # Control: with the cache kept, vLLM serves A's cached blocks to B's weights -> not B's output.
-    keep = VLLMInProcessWeightReloadAdapter(engine.llm, prefix_cache="keep")
+    keep = VLLMInProcessAdapter(engine.llm, install_method="reload", prefix_cache="keep")
     sd = engine.b.state_dict()
     report = keep.install(WeightUpdateManifest.from_state_dict(sd, weight_version=engine.version()), sd)
     assert report.prefix_cache_reset is False

@@ -56,13 +56,13 @@ def test_the_engine_holds_the_version_across_adapters_and_trainer_restarts(
 ) -> None:
     """Issue 17: versions were per adapter, so a second adapter (or a restarted trainer) accepted any version."""
     from hotweights import StaleWeightVersionError
-    from hotweights.adapters import VLLMDirectSetterAdapter, VLLMInProcessWeightReloadAdapter
+    from hotweights.adapters import VLLMDirectSetterAdapter, VLLMInProcessAdapter
 
     a, b = checkpoint(VARIANT, 1), checkpoint(VARIANT, 2)
     llm = start_engine(a.path)
     try:
         hotweights.install(llm, b.state_dict(), weight_version=5)
-        for adapter in (VLLMInProcessWeightReloadAdapter(llm), VLLMDirectSetterAdapter(llm)):
+        for adapter in (VLLMInProcessAdapter(llm, install_method="reload"), VLLMDirectSetterAdapter(llm)):
             assert adapter.active_weight_version == 5  # one version line per engine
             with pytest.raises(StaleWeightVersionError):
                 hotweights.install(llm, a.state_dict(), weight_version=4, adapter=adapter)

@@ -1,5 +1,6 @@
-"""The public surface: ``hotweights.__all__`` and ``hotweights.adapters.__all__`` are pinned and documented, the
-former top-level names still resolve to their new homes, and importing ``hotweights`` stays light."""
+"""The public surface: ``hotweights.__all__`` and ``hotweights.adapters.__all__`` are pinned and documented, names
+that live in a submodule are exported there only (no alias or import hook for old spellings), and importing
+``hotweights`` stays light."""
 
 from __future__ import annotations
 
@@ -11,7 +12,6 @@ import itertools
 import subprocess
 import sys
 import types
-import warnings
 
 import pytest
 
@@ -55,21 +55,20 @@ EXPECTED_ALL = [
     "weight_versions_of",
 ]
 
-#: The adapters that were top-level exports once (``hotweights.<name>`` still resolves to them).
-FORMER_TOP_LEVEL_ADAPTERS = [
+#: The adapter names exported by ``hotweights.adapters`` only.
+SUBMODULE_ADAPTERS = [
     "PrefixCachePolicy",
     "VLLMDirectSetterAdapter",
-    "VLLMInProcessWeightReloadAdapter",
     "VLLMMultiprocessAdapter",
     "VLLMWeightTransferAdapter",
     "VLLMWeightsPathAdapter",
     "WeightInstallAdapter",
 ]
-EXPECTED_ADAPTERS_ALL = sorted([*FORMER_TOP_LEVEL_ADAPTERS, "Installer", "InstallerOptions", "VLLMInProcessAdapter"])
+EXPECTED_ADAPTERS_ALL = sorted([*SUBMODULE_ADAPTERS, "Installer", "InstallerOptions", "VLLMInProcessAdapter"])
 
-#: Former top-level exports -> their home now; ``hotweights.<name>`` still resolves there.
+#: Names exported by a submodule, not by ``hotweights`` -> that submodule.
 MOVED = {
-    **dict.fromkeys(FORMER_TOP_LEVEL_ADAPTERS, "hotweights.adapters"),
+    **dict.fromkeys(SUBMODULE_ADAPTERS, "hotweights.adapters"),
     **dict.fromkeys(["EngineHandle", "PauseMode", "as_engine"], "hotweights.handles"),
     **dict.fromkeys(
         ["WeightTransport", "available_transports", "make_transport", "register_transport"], "hotweights.transports"
@@ -98,23 +97,36 @@ def test_adapters_all_is_pinned() -> None:
     assert hotweights.adapters.__doc__ and hotweights.adapters.__doc__.strip()
 
 
-def test_moved_names_are_in_their_homes_all() -> None:
+def test_submodule_names_are_in_their_homes_all() -> None:
     assert not set(MOVED) & set(EXPECTED_ALL)
-    assert len(MOVED) + len(EXPECTED_ALL) == 38 + 12  # + Fleet, its 2 errors, 4 errors, detach, 4 LoRA verbs
+    assert len(MOVED) + len(EXPECTED_ALL) == 37 + 12  # + Fleet, its 2 errors, 4 errors, detach, 4 LoRA verbs
     for name, home in MOVED.items():
         assert name in importlib.import_module(home).__all__, (name, home)
 
 
 @pytest.mark.parametrize("name", sorted(MOVED))
-def test_old_spelling_resolves_to_the_new_home(name: str) -> None:
-    new = getattr(importlib.import_module(MOVED[name]), name)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # the old spelling keeps working silently
-        old = getattr(hotweights, name)
-        namespace: dict[str, object] = {}
-        exec(f"from hotweights import {name}", namespace)
-    assert old is new
-    assert namespace[name] is new
+def test_a_submodule_name_is_not_served_by_the_top_level(name: str) -> None:
+    assert not hasattr(hotweights, name)
+    with pytest.raises(ImportError):
+        exec(f"from hotweights import {name}", {})
+
+
+def test_no_import_hook_for_old_module_spellings() -> None:
+    """hotweights was never released under other module names: nothing answers them (issue 44: no shims)."""
+    code = (
+        "import sys, hotweights\n"
+        "assert not [f for f in sys.meta_path if type(f).__module__.startswith('hotweights')], sys.meta_path\n"
+        "for old in ('hotweights.engine.worker_extension', 'hotweights.handles.base', 'hotweights.adapters.base'):\n"
+        "    try:\n"
+        "        __import__(old)\n"
+        "    except ModuleNotFoundError:\n"
+        "        pass\n"
+        "    else:\n"
+        "        raise AssertionError(old + ' still imports')\n"
+        "print('ok')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
+    assert out.stdout.strip() == "ok", out.stderr[-2000:]
 
 
 def test_dir_shows_only_the_surface() -> None:

@@ -19,7 +19,7 @@ from tqdm import tqdm
 import hotweights.telemetry as telemetry
 from hotweights import InstallError, InstallReport, WeightUpdateManifest
 from hotweights.adapters import WeightInstallAdapter
-from hotweights.adapters.installer import VLLMSessionAdapter
+from hotweights.adapters.installer import Installer
 from hotweights.adapters.options import InstallerOptions
 from hotweights.core.buckets import Bucket, plan_buckets
 from hotweights.core.report import PhaseTimer
@@ -56,12 +56,12 @@ class CountingTransport(WeightTransport):
 
 
 class BucketAdapter(WeightInstallAdapter):
-    """The session adapters' bucket loop (``VLLMSessionAdapter._send``) without an engine: staged descriptors are
+    """The session adapters' bucket loop (``Installer._send``) without an engine: staged descriptors are
     kept in a list."""
 
     name = "buckets"
-    _send = VLLMSessionAdapter._send
-    _in_flight = VLLMSessionAdapter._in_flight
+    _send = Installer._send
+    _in_flight = Installer._in_flight
     options = InstallerOptions()
 
     def __init__(self, transport: WeightTransport, bucket_bytes: int) -> None:

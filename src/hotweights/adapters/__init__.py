@@ -3,7 +3,7 @@
 
 - :class:`VLLMInProcessAdapter`: an in-process ``LLM``, the install session called directly, tensors handed over
   by reference; ``install_method="auto"`` by default (what ``hotweights.install`` uses), ``"reload"`` or
-  ``"direct"``; :class:`VLLMInProcessWeightReloadAdapter` is the same with ``"reload"`` by default;
+  ``"direct"``;
 - :class:`VLLMDirectSetterAdapter`: the same with ``install_method="direct"``: tensors copied straight into the
   engine's parameters;
 - :class:`VLLMMultiprocessAdapter`: an engine started with ``hotweights.WORKER_EXTENSION``, buckets through a
@@ -18,7 +18,7 @@ on an engine shares that engine's handle (the serving gate, the active version, 
 
 from hotweights.adapters.contract import PrefixCachePolicy, WeightInstallAdapter
 from hotweights.adapters.direct import VLLMDirectSetterAdapter
-from hotweights.adapters.inprocess import VLLMInProcessAdapter, VLLMInProcessWeightReloadAdapter
+from hotweights.adapters.inprocess import VLLMInProcessAdapter
 from hotweights.adapters.installer import Installer
 from hotweights.adapters.multiprocess import VLLMMultiprocessAdapter
 from hotweights.adapters.native import VLLMWeightTransferAdapter
@@ -31,7 +31,6 @@ __all__ = [
     "PrefixCachePolicy",
     "VLLMDirectSetterAdapter",
     "VLLMInProcessAdapter",
-    "VLLMInProcessWeightReloadAdapter",
     "VLLMMultiprocessAdapter",
     "VLLMWeightTransferAdapter",
     "VLLMWeightsPathAdapter",

@@ -18,7 +18,7 @@ from hotweights.vllm import compat
 if TYPE_CHECKING:
     from typing_extensions import Unpack
 
-__all__ = ["VLLMInProcessAdapter", "VLLMInProcessWeightReloadAdapter"]
+__all__ = ["VLLMInProcessAdapter"]
 
 
 class VLLMInProcessAdapter(Installer):
@@ -90,13 +90,6 @@ class VLLMInProcessAdapter(Installer):
     def model(self) -> torch.nn.Module:
         """The model the engine serves (its worker runs in this process)."""
         return compat.inprocess_model(self.llm)
-
-
-class VLLMInProcessWeightReloadAdapter(VLLMInProcessAdapter):
-    """:class:`VLLMInProcessAdapter` with vLLM's layerwise reload by default (``install_method="reload"``): its
-    former name, and a configuration of its own."""
-
-    default_method: InstallMethod = "reload"
 
 
 def for_engine(handle: EngineHandle) -> VLLMInProcessAdapter:

@@ -41,7 +41,6 @@ __all__ = [
     "GATHERED_BUCKET_BYTES",
     "Installer",
     "SessionAdapterOptions",
-    "VLLMSessionAdapter",
     "bucket_default",
     "split_options",
 ]
@@ -446,7 +445,3 @@ def _expiry(call: InstallCall) -> float | None:
 
 def _delta_id(options: SessionOptions) -> str:
     return str(json.loads(options.delta or "{}").get("update_id", ""))
-
-
-VLLMSessionAdapter = Installer
-"""The installer's former name."""

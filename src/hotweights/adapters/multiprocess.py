@@ -77,7 +77,7 @@ class VLLMMultiprocessAdapter(Installer):
                 "VLLMMultiprocessAdapter (and with it streaming commits, kept shm segments and the direct setter) "
                 f"needs; start it with worker_extension_cls={compat.WORKER_EXTENSION!r}"
                 + (
-                    " (it runs in this process: VLLMInProcessWeightReloadAdapter needs no extension)"
+                    " (it runs in this process: VLLMInProcessAdapter needs no extension)"
                     if handle.inprocess
                     else ", or use hotweights.install(engine, ...), which reaches it without the extension"
                 )

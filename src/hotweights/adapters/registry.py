@@ -44,7 +44,7 @@ def adapter_for(engine: Any) -> WeightInstallAdapter:
 
     ``engine`` is a ``vllm.LLM``, an ``AsyncLLM`` or an :class:`~hotweights.handles.EngineHandle`. The choice:
 
-    - workers in this process: :class:`~hotweights.adapters.VLLMInProcessWeightReloadAdapter` with
+    - workers in this process: :class:`~hotweights.adapters.VLLMInProcessAdapter` with
       ``install_method="auto"`` (tensors by reference; the direct setter where its plan proves it safe, else vLLM's
       layerwise reload);
     - started with ``worker_extension_cls=hotweights.WORKER_EXTENSION``:
