@@ -111,7 +111,7 @@ class TestRegistry:
         assert isinstance(make_transport("shm"), shm.Transport)  # the original registration stands
 
     def test_registering_a_new_name(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        monkeypatch.setattr(transports, "_REGISTRY", dict(transports._REGISTRY))
+        monkeypatch.setattr(transports, "_REGISTRY", transports._REGISTRY.copy())
         register_transport("mine", "hotweights.transports.bytes")
         assert "mine" in available_transports()
         assert isinstance(make_transport("mine"), bytes_transport.Transport)

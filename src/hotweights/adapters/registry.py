@@ -8,23 +8,18 @@ tests does: :mod:`hotweights.fake`).
 
 from __future__ import annotations
 
-import importlib
 import threading
 from collections.abc import Callable
 from typing import Any
 
 from hotweights.adapters.contract import WeightInstallAdapter
+from hotweights.core.registry import LazyRegistry
 from hotweights.handles import EngineHandle, as_engine
 
 __all__ = ["adapter_for", "adapter_of", "cached_adapter", "register_route"]
 
-#: route -> "module:factory"; the factory takes the engine's handle.
-_ROUTES: dict[str, str] = {
-    "inprocess": "hotweights.adapters.inprocess:for_engine",
-    "extension": "hotweights.adapters.multiprocess:for_engine",
-    "weight_transfer": "hotweights.adapters.native:for_engine",
-    "weights_path": "hotweights.adapters.weights_path:for_engine",
-}
+#: route -> "module:factory"; the factory takes the engine's handle. Built-ins registered at the bottom.
+_ROUTES = LazyRegistry("route")
 # The adapter lives on the engine handle (itself kept on the engine object): a registry keyed by the engine would
 # keep every engine alive. When the user drops the engine, all three go together.
 _ATTR = "_hotweights_adapter"
@@ -32,10 +27,12 @@ _ATTR = "_hotweights_adapter"
 
 def register_route(route: str, factory: str) -> None:
     """Install into engines whose handle's ``route`` is ``route`` with ``factory`` (``"module:function"``, called
-    with the handle, returning a :class:`WeightInstallAdapter`)."""
-    if route in _ROUTES and _ROUTES[route] != factory:
-        raise ValueError(f"route {route!r} is already registered (to {_ROUTES[route]})")
-    _ROUTES[route] = factory
+    with the handle, returning a :class:`WeightInstallAdapter`).
+
+    Raises:
+        ValueError: ``route`` is registered to another factory.
+    """
+    _ROUTES.register(route, factory)
 
 
 def adapter_for(engine: Any) -> WeightInstallAdapter:
@@ -77,8 +74,7 @@ def cached_adapter(handle: EngineHandle) -> WeightInstallAdapter | None:
 
 
 def _factory(route: str) -> Callable[[EngineHandle], WeightInstallAdapter]:
-    module, _, name = _ROUTES[route].partition(":")
-    made: Callable[[EngineHandle], WeightInstallAdapter] = getattr(importlib.import_module(module), name)
+    made: Callable[[EngineHandle], WeightInstallAdapter] = _ROUTES.load(route)
     return made
 
 
@@ -87,3 +83,9 @@ def _engine_lock(handle: EngineHandle) -> threading.Lock:
     headers, a remote status call) never stalls another engine's first install."""
     lock: threading.Lock = handle.shared("_hotweights_adapter_lock", threading.Lock)
     return lock
+
+
+register_route("inprocess", "hotweights.adapters.inprocess:for_engine")
+register_route("extension", "hotweights.adapters.multiprocess:for_engine")
+register_route("weight_transfer", "hotweights.adapters.native:for_engine")
+register_route("weights_path", "hotweights.adapters.weights_path:for_engine")

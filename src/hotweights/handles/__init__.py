@@ -1,16 +1,16 @@
-"""Engine handles: one per engine kind, behind the :class:`EngineHandle` contract (see :mod:`.base`).
+"""Engine handles: one per engine kind, behind the :class:`EngineHandle` contract (:mod:`.handle`).
 
 One handle per engine object (:func:`as_engine` keeps it on the engine); it holds what every adapter on that engine
 shares: the serving gate, the active version and the delta base."""
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 from typing import Any
 
 from hotweights.core import attach
 from hotweights.core.errors import EngineNotSupportedError
+from hotweights.core.registry import LazyRegistry
 from hotweights.handles.handle import EngineHandle, PauseMode
 from hotweights.vllm import compat
 
@@ -18,10 +18,9 @@ __all__ = ["EngineHandle", "PauseMode", "as_engine"]
 
 
 #: Engine kind (:func:`hotweights.vllm.compat.engine_kind`) -> its handle class, imported on first use.
-_KINDS = {
-    "llm": "hotweights.handles.llm:LLMHandle",
-    "async_llm": "hotweights.handles.async_llm:AsyncLLMHandle",
-}
+_KINDS = LazyRegistry("engine kind")
+_KINDS.register("llm", "hotweights.handles.llm:LLMHandle")
+_KINDS.register("async_llm", "hotweights.handles.async_llm:AsyncLLMHandle")
 
 
 def as_engine(obj: Any) -> EngineHandle:
@@ -46,7 +45,6 @@ def as_engine(obj: Any) -> EngineHandle:
 
 
 def _handle_class(kind: str) -> Callable[[Any], EngineHandle]:
-    module, _, name = _KINDS[kind].partition(":")
     compat.warn_untested_vllm()
-    made: Callable[[Any], EngineHandle] = getattr(importlib.import_module(module), name)
+    made: Callable[[Any], EngineHandle] = _KINDS.load(kind)
     return made

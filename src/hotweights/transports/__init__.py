@@ -11,16 +11,17 @@ Built-ins, each a sibling module with a trainer-side ``WeightTransport`` and an 
 - ``vllm_nccl``: vLLM's own packed NCCL broadcast and receive loop, into the session's staging
   (:mod:`hotweights.vllm.nccl`).
 
-Modules are imported on first use. ``register_transport`` adds one; a name registered twice or unknown raises.
+Modules are imported on first use (:class:`~hotweights.core.registry.LazyRegistry`). ``register_transport`` adds
+one; a name registered to another module, or unknown, raises.
 """
 
 from __future__ import annotations
 
-import importlib
 from types import ModuleType
 from typing import Any
 
 from hotweights.core.errors import HotWeightsError
+from hotweights.core.registry import LazyRegistry
 from hotweights.transports.transport import Descriptor, EngineLink, Stage, WeightTransport
 
 __all__ = [
@@ -34,26 +35,27 @@ __all__ = [
     "register_transport",
 ]
 
-_REGISTRY: dict[str, str] = {}
+#: Transport name -> its module (imported on first use).
+_REGISTRY = LazyRegistry("transport")
 
 
 def register_transport(name: str, module: str) -> None:
-    """Register a transport module (``module`` defines ``Transport`` and ``open_bucket``) under ``name``."""
-    if name in _REGISTRY:
-        raise ValueError(f"transport {name!r} is already registered (by {_REGISTRY[name]})")
-    _REGISTRY[name] = module
+    """Register a transport module (``module`` defines ``Transport`` and ``open_bucket``) under ``name``.
+
+    Raises:
+        ValueError: ``name`` is registered to another module.
+    """
+    _REGISTRY.register(name, module)
 
 
 def available_transports() -> list[str]:
     """Names of the registered transports."""
-    return sorted(_REGISTRY)
+    return _REGISTRY.names()
 
 
 def _module(name: str) -> ModuleType:
-    path = _REGISTRY.get(name)
-    if path is None:
-        raise HotWeightsError(f"unknown transport {name!r}; available: {available_transports()}")
-    return importlib.import_module(path)
+    module: ModuleType = _REGISTRY.load(name)
+    return module
 
 
 def make_transport(name: str, **options: Any) -> WeightTransport:
