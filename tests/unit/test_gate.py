@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 
 import pytest
 
@@ -54,26 +55,40 @@ def test_new_gated_calls_wait_while_the_install_waits_for_idle() -> None:
     assert order == ["install", "serve"]
 
 
+def _until(condition: Callable[[], bool], seconds: float = 10.0) -> None:
+    """Wait until ``condition()`` holds (a state, not a time: the deadline only bounds a broken test)."""
+    deadline = time.perf_counter() + seconds
+    while not condition():
+        assert time.perf_counter() < deadline, "the condition never held"
+        time.sleep(0.001)
+
+
 def test_a_call_inside_a_held_serving_passes_while_an_install_waits() -> None:
     """A generation call that enters the gate again from inside its own hold (``generate`` -> ``add_request``)
     must not wait behind an install that waits for it (that would deadlock both)."""
     gate = ServingGate()
-    inside, done = threading.Event(), threading.Event()
+    inside, nested = threading.Event(), threading.Event()
+    errors: list[BaseException] = []
 
     def generation() -> None:
-        with gate.serving():
-            inside.set()
-            time.sleep(0.2)  # the install is waiting for this call now
-            with gate.serving(timeout=1.0):  # nested: passes through
-                pass
-        done.set()
+        try:
+            with gate.serving():
+                inside.set()
+                _until(lambda: gate._waiting_installs == 1)  # the install is waiting for this call now
+                with gate.serving(timeout=1.0):  # nested: passes through (times out if it waited)
+                    pass
+                assert gate._waiting_installs == 1  # ... while the install still waited
+                nested.set()  # inside the outer hold: the install cannot have got in before this
+        except BaseException as exc:  # handed to the test thread
+            errors.append(exc)
 
     thread = threading.Thread(target=generation)
     thread.start()
-    inside.wait(5)
-    with gate.installing(timeout=5.0):
-        assert done.is_set()
-    thread.join(5)
+    assert inside.wait(10)
+    with gate.installing(timeout=10.0):
+        assert nested.is_set()
+    thread.join(10)
+    assert not errors, errors
 
 
 class _FakeLLM:
