@@ -64,3 +64,22 @@ def test_vllms_engine_dead_error_becomes_hotweights_typed_one() -> None:
 
     with pytest.raises(EngineDiedError, match="is dead"):
         liveness.watched_call(call, _engine({}, dead=True), None, "'is_sleeping'")
+
+
+def test_an_engine_in_this_process_that_was_shut_down_is_dead() -> None:
+    class InprocClient:  # vLLM's, by name: its finalizer is detached by shutdown()
+        def __init__(self, runner: Any) -> None:
+            self._finalizer = SimpleNamespace(alive=True)
+            worker = SimpleNamespace(worker=SimpleNamespace(model_runner=runner))
+            self.engine_core = SimpleNamespace(model_executor=SimpleNamespace(driver_worker=worker))
+
+    runner = SimpleNamespace(model=object())
+    client = InprocClient(runner)
+    llm = SimpleNamespace(llm_engine=SimpleNamespace(engine_core=client))
+    assert liveness.death(llm) is None
+    runner.model = None  # EngineCore.shutdown() called past the client
+    assert "released the model" in (liveness.death(llm) or "")
+    runner.model = object()
+    client._finalizer.alive = False  # llm.llm_engine.engine_core.shutdown()
+    assert "shut down" in (liveness.death(llm) or "")
+    assert not liveness.watchable(llm)  # still run on the caller's thread

@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any, ClassVar
 
+from hotweights.core.errors import EngineDiedError
 from hotweights.core.gate import ServingGate
 from hotweights.core.manifest import ExpectedWeights
-from hotweights.handles.handle import EngineHandle
+from hotweights.handles.handle import EngineHandle, PauseMode
 from hotweights.handles.sleep import SleepTracker
 from hotweights.vllm import compat
 from hotweights.vllm.expected import expected_weights
+from hotweights.vllm.liveness import death
 from hotweights.vllm.worker.ops import clear_kv_cache
 
 __all__ = ["LLMHandle"]
@@ -31,6 +34,23 @@ class LLMHandle(EngineHandle):
         self._sleep = SleepTracker(llm, is_async=False)
         compat.serialize_core_sends(llm)  # an install's calls and another thread's generate share one socket
         compat.watch_core_calls(llm)  # a call into an engine core that died fails within a second, typed
+
+    def check_alive(self) -> None:
+        """Raise :class:`EngineDiedError` where the engine can no longer serve: an in-process engine that was shut
+        down (its calls would fail deep in vLLM, e.g. with a bare ``AssertionError``), or a multiprocess engine
+        whose engine core ended."""
+        why = death(self.llm)
+        if why is not None:
+            raise EngineDiedError(
+                f"the engine ({self.describe()}) can no longer serve: {why}. hotweights writes nothing into it, and "
+                "it serves no version; start a new engine (vllm.LLM(...)) and install into that"
+            )
+
+    @contextmanager
+    def installing(self, pause: PauseMode, timeout: float | None) -> Iterator[None]:
+        self.check_alive()  # before the install lock: a shut-down engine is refused at once
+        with super().installing(pause, timeout):
+            yield
 
     @property
     def num_workers(self) -> int:
@@ -72,6 +92,7 @@ class LLMHandle(EngineHandle):
         return compat.engine_weight_version(self.llm)
 
     def is_sleeping(self) -> bool:
+        self.check_alive()  # asked before any install writes (also by an adapter used without hotweights.install)
         exact = compat.weights_asleep_inprocess(self.llm)
         if exact is not None:
             return exact

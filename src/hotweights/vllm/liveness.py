@@ -3,7 +3,8 @@
 vLLM's client waits for a call's answer on a future that nothing completes if the engine core dies while the call
 runs (its monitor marks the engine dead, but leaves the future waiting): such a call would wait forever. Here every
 wait on a multiprocess engine polls the engine's processes and fails with :class:`~hotweights.EngineDiedError` as
-soon as one has ended.
+soon as one has ended. An engine core in this process does not die on its own, but it can be shut down
+(``llm.llm_engine.engine_core.shutdown()``, or its finalizer): :func:`death` tells that too.
 """
 
 from __future__ import annotations
@@ -38,11 +39,10 @@ def watchable(engine: Any) -> bool:
 
 
 def death(engine: Any) -> str | None:
-    """Why ``engine`` (a ``vllm.LLM`` or ``AsyncLLM``) can no longer answer, or None while it can (and where its
-    engine core runs in this process: a call there runs on the caller's thread)."""
+    """Why ``engine`` (a ``vllm.LLM`` or ``AsyncLLM``) can no longer answer, or None while it can."""
     resources = _resources(engine)
     if resources is None:
-        return None
+        return _shut_down_here(engine)
     manager = getattr(resources, "engine_manager", None)
     try:
         ended = dict(manager.finished_procs()) if manager is not None else {}
@@ -52,6 +52,23 @@ def death(engine: Any) -> str | None:
         return "its engine-core process ended (" + ", ".join(f"{n}: exit code {c}" for n, c in ended.items()) + ")"
     if getattr(resources, "engine_dead", False):
         return "vLLM reports its engine core dead (it died, or the engine was shut down)"
+    return None
+
+
+def _shut_down_here(engine: Any) -> str | None:
+    """Why an engine whose core runs in this process (vLLM's ``InprocClient``) no longer serves, or None: it was
+    shut down (the client's finalizer has run or was detached by ``shutdown()``), or its worker released the model
+    (what vLLM's ``EngineCore.shutdown()`` does; also after a shutdown that bypassed the client)."""
+    client = getattr(getattr(engine, "llm_engine", engine), "engine_core", None)
+    if type(client).__name__ != "InprocClient":
+        return None
+    finalizer = getattr(client, "_finalizer", None)
+    if finalizer is not None and not getattr(finalizer, "alive", True):
+        return "it was shut down (llm.llm_engine.engine_core.shutdown()), so it serves nothing"
+    worker = getattr(getattr(getattr(client, "engine_core", None), "model_executor", None), "driver_worker", None)
+    runner = getattr(getattr(worker, "worker", worker), "model_runner", None)
+    if runner is not None and "model" in vars(runner) and runner.model is None:
+        return "its worker released the model (the engine core was shut down), so it serves nothing"
     return None
 
 
