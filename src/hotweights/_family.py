@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from collections.abc import Sequence
 from typing import get_args
 
@@ -78,6 +79,12 @@ def unproven_default() -> Unproven:
     return value  # type: ignore[return-value]
 
 
+def _vllm_compiled_the_class(exc: BaseException) -> bool:
+    """Whether building a transformers model failed because vLLM's Transformers backend, serving in this process,
+    compiled that very class in place (its ``__init__`` then asks for a vLLM config that only the engine sets)."""
+    return isinstance(exc, AssertionError) and "vLLM config is not set" in str(exc)
+
+
 def check_family(
     handle: EngineHandle, tensors: Sequence[tuple[str, torch.Tensor]], unproven: Unproven | None = None
 ) -> FamilyCheck:
@@ -100,7 +107,7 @@ def check_family(
     name = arch or "an architecture that cannot be read from here"
     probed = handle.__dict__.get(_PROBED)
     if probed is not None and mode != "refuse":
-        return FamilyCheck(str(arch), f"unproven: {probed}")
+        return FamilyCheck(str(arch), probed)  # the verdict of the probe it passed, as that install reported it
     if mode == "trust":
         log.warning("hotweights: %s is not proven on %s; installing unchecked (unproven='trust')", name, where)
         return FamilyCheck(str(arch), f"unproven: {name} on {where}, trusted (unproven='trust'), not checked")
@@ -121,14 +128,33 @@ def check_family(
         dtype = handle.engine_dtype()
 
         def probe() -> ProbeReference:
+            log.info(
+                "hotweights: %s is not proven on %s: probing this first install into the engine (a transformers "
+                "reference from the sent tensors, then the engine scores it before serving)",
+                name,
+                where,
+            )
+            start = time.perf_counter()
             try:
-                return reference(config, tensors, dtype)
+                ref = reference(config, tensors, dtype)
             except Exception as exc:
+                if _vllm_compiled_the_class(exc):
+                    raise UnprovenFamilyError(
+                        f"{name} is not proven exact on {where}, and its probe reference could not be built in this "
+                        "process: vLLM serves this family through its Transformers backend, which compiled "
+                        "transformers' own model class in place in this process, so transformers cannot build it "
+                        f"here ({type(exc).__name__}: Current vLLM config is not set); nothing was written. Pass "
+                        "unproven='trust' (or set HOTWEIGHTS_UNPROVEN=trust) to install without the probe, or run the "
+                        "engine multiprocess (VLLM_ENABLE_V1_MULTIPROCESSING=1, vLLM's default), where the reference "
+                        "is built apart from the engine."
+                    ) from exc
                 raise UnprovenFamilyError(
                     f"{name} is not proven exact on {where}, and no probe reference could be computed from the "
                     f"tensors ({type(exc).__name__}: {exc}); nothing was written. Pass unproven='trust' to install "
                     "unchecked."
                 ) from exc
+            log.info("hotweights: probe reference for %s built in %.2f s", name, time.perf_counter() - start)
+            return ref
 
         def passed(verdict: str) -> None:
             with _LOCK:

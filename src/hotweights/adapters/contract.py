@@ -402,10 +402,21 @@ class WeightInstallAdapter(ABC):
         difference, fail closed and raise :class:`FamilyProbeError`. Returns the report's ``family_check`` line."""
         if family is None or ref is None:
             return None if family is None else family.verdict
+        start = time.perf_counter()
         with timer("family_probe"):
             self._reset_prefix_cache()  # the probe must not reuse blocks computed with the old weights
             got = self._probe_logprobs(ref.token_ids)
         ok, worst = ref.judge(got) if got is not None else (False, float("inf"))
+        logger.info(
+            "hotweights: family probe of %s at v%s: the engine scored it in %.2f s, max |dlogprob| %g (tolerance %g): "
+            "%s",
+            family.architecture,
+            manifest.weight_version,
+            time.perf_counter() - start,
+            worst,
+            ref.tolerance,
+            "passed" if ok else "it differs, failing closed",
+        )
         if ok:
             verdict = f"{family.verdict} at v{manifest.weight_version}: max |dlogprob| {worst:g} <= {ref.tolerance:g}"
             if family.passed is not None:
@@ -415,16 +426,21 @@ class WeightInstallAdapter(ABC):
         with best_effort("recover after a failed family probe"):
             self._recover()
         reason = (
-            f"generation refused: after update {manifest.update_id} (v{manifest.weight_version}) the engine scored the "
-            f"probe {worst:g} away from the tensors it was sent (tolerance {ref.tolerance:g}): vLLM's install of "
-            f"{family.architecture} is wrong here. Restart the engine from a checkpoint of the new weights."
+            f"generation refused: after update {manifest.update_id} (v{manifest.weight_version}) the engine's output "
+            f"on the family probe differed from the reference computed from the sent tensors by {worst:g} (tolerance "
+            f"{ref.tolerance:g}). A successful install lifts this (unproven='trust' installs without the probe, where "
+            "a freshly started engine on the same weights differs as much); else restart the engine."
         )
         self._refuse_serving(manifest, reason)
         raise FamilyProbeError(
-            f"{family.architecture}: the engine does not serve the weights it was sent (probe log-probabilities off "
-            f"by {worst:g}, tolerance {ref.tolerance:g}); {family.verdict}. Generation now fails closed and the active "
-            f"version stays {self._serving()}. This is a defect of vLLM's weight reload for this family on this "
-            "version: restart the engine from a checkpoint of the new weights, and report it (docs/architectures.md)."
+            f"{family.architecture}: after the write, the engine's output on the family probe differed from the "
+            f"reference computed from the sent tensors (log-probabilities off by {worst:g}, tolerance "
+            f"{ref.tolerance:g}); {family.verdict}. Generation now fails closed and the active version stays "
+            f"{self._serving()}. If a freshly started engine on the same weights gives the same output, the reference "
+            "is what differs (transformers computes this family otherwise than vLLM), not the install: install again "
+            "with unproven='trust' (or HOTWEIGHTS_UNPROVEN=trust), which installs without the probe. If a fresh "
+            "engine matches the reference, vLLM's reload of this family is wrong here: restart the engine from a "
+            "checkpoint of the new weights, and report it (docs/architectures.md)."
         )
 
     def _probe_logprobs(self, token_ids: tuple[int, ...]) -> list[float | None] | None:
