@@ -33,11 +33,13 @@ __all__ = [
     "Arch",
     "EventLoopThread",
     "build_tiny_model",
+    "engine_settings",
     "greedy_hf",
     "greedy_vllm",
     "save_tiny_model",
     "start_async_engine",
     "start_engine",
+    "start_reference_engine",
     "stop_engine",
     "tiny_config",
     "tp_chunk",
@@ -571,6 +573,64 @@ def _engine_kwargs(path: str | os.PathLike[str], dtype: str, overrides: dict[str
         enable_prefix_caching=True,
     )
     return {**kwargs, **overrides}
+
+
+def engine_settings(llm: Any) -> dict[str, Any]:
+    """The ``vllm.LLM`` keyword arguments (all but ``model``) that start an engine with ``llm``'s settings, read from
+    its ``llm.llm_engine.vllm_config``: dtype, eager or compiled (``enforce_eager`` and the compilation mode), context
+    length, seed, KV cache, scheduler limits, tensor-parallel size and LoRA.
+
+    "Exact" in hotweights means equal to a freshly started engine *with the same settings*: in bf16, an eager and a
+    compiled engine give different tokens on the same weights, so a reference must copy them. Finer settings vLLM
+    derives at start-up (e.g. the compilation's passes) are left to vLLM's defaults, and the executor backend (e.g.
+    TRL's ``external_launcher``) is not copied: pass an override to :func:`start_reference_engine` where one differs.
+    """
+    config = llm.llm_engine.vllm_config
+    model, cache, scheduler = config.model_config, config.cache_config, config.scheduler_config
+    compilation = config.compilation_config
+    impl = model.model_impl
+    settings: dict[str, Any] = dict(
+        dtype=str(model.dtype).removeprefix("torch."),
+        max_model_len=model.max_model_len,
+        enforce_eager=model.enforce_eager,
+        seed=model.seed,
+        skip_tokenizer_init=model.skip_tokenizer_init,
+        trust_remote_code=model.trust_remote_code,
+        quantization=model.quantization,
+        model_impl=getattr(impl, "value", impl),
+        max_logprobs=model.max_logprobs,
+        logprobs_mode=model.logprobs_mode,
+        block_size=cache.block_size,
+        enable_prefix_caching=cache.enable_prefix_caching,
+        kv_cache_dtype=cache.cache_dtype,
+        gpu_memory_utilization=cache.gpu_memory_utilization,
+        max_num_seqs=scheduler.max_num_seqs,
+        max_num_batched_tokens=scheduler.max_num_batched_tokens,
+        tensor_parallel_size=config.parallel_config.tensor_parallel_size,
+        compilation_config={"mode": int(compilation.mode)},
+    )
+    if cache.kv_cache_memory_bytes is not None:
+        settings["kv_cache_memory_bytes"] = cache.kv_cache_memory_bytes
+    if model.hf_overrides:
+        settings["hf_overrides"] = model.hf_overrides
+    if not model.skip_tokenizer_init:
+        settings["tokenizer"] = model.tokenizer
+    if config.lora_config is not None:
+        lora = config.lora_config
+        settings.update(enable_lora=True, max_lora_rank=lora.max_lora_rank, max_loras=lora.max_loras)
+    return settings
+
+
+def start_reference_engine(llm: Any, path: str | os.PathLike[str], **overrides: Any) -> Any:
+    """A fresh ``vllm.LLM`` on the checkpoint in ``path`` with ``llm``'s settings (:func:`engine_settings`): the
+    reference a hot-installed ``llm`` must equal, token for token, once it serves the same weights.
+
+    The engine runs in this process or not as ``VLLM_ENABLE_V1_MULTIPROCESSING`` says; stop it with
+    :func:`stop_engine`.
+    """
+    from vllm import LLM
+
+    return LLM(model=str(path), **{**engine_settings(llm), **overrides})
 
 
 def start_async_engine(path: str | os.PathLike[str], dtype: str = "float32", **overrides: Any) -> Any:
