@@ -65,6 +65,7 @@ class InstallOptions(TypedDict, total=False):
     cast: Cast | None
     unproven: Unproven | None
     group: Any
+    allow_nonfinite: bool
 
 
 def install(
@@ -125,9 +126,14 @@ def install(
             generation is let back in, and fails closed on a difference (engines that cannot be scored from here,
             e.g. an ``AsyncLLM``, refuse instead); ``"refuse"`` refuses before writing; ``"trust"`` installs
             unchecked. See ``docs/architectures.md``.
+        allow_nonfinite: install tensors that hold NaN or Inf. By default the engine's side checks every tensor
+            where its bytes already pass (each bucket as it is staged, on the device that holds it) and refuses the
+            update before anything is written: a diverged step never reaches the engine.
 
     Raises:
         WeightManifestValidationError: the tensors do not match what the engine serves; nothing was written.
+        NonFiniteWeightsError: a tensor holds NaN or Inf (each one named, with counts); nothing was written and
+            the previous version keeps serving. Skip the step, or pass ``allow_nonfinite=True``.
         StaleWeightVersionError: ``weight_version`` is not newer than the active one (pass ``force=True``).
         UnprovenFamilyError: the model's family is not proven on this vLLM and device and cannot be probed from
             here (or ``unproven="refuse"``); nothing was written.
@@ -202,6 +208,7 @@ def _run(
     delta: bool = False,
     verify: bool | Literal["strict"] | None = None,
     cast: Cast | None = None,
+    allow_nonfinite: bool = False,
 ) -> InstallReport:
     """One install, start to end: where the tensors come from (this rank's, or gathered from every rank of a
     sharded install, which the engine's rank leads and the others follow), the engine's handle (made here, once),
@@ -212,7 +219,7 @@ def _run(
     source: TensorSource = LocalTensors(items)
     if collective:
         tp = (layout.tp_rank, layout.tp_size) if layout is not None and chunks else None
-        leader = agree(items, weight_version, engine is not None, group, tp)
+        leader = agree(items, weight_version, engine is not None, group, tp, finite=not allow_nonfinite)
         local = same_host(group)  # then each rank can write its own rows for the engine (rank writes)
         if engine is None:
             if not local:
@@ -238,7 +245,16 @@ def _run(
         )
         family = check_family(handle, sent, unproven)
         with handle.installing(pause, chosen.lock_timeout):
-            report = chosen.install(manifest, sent, force=force, delta=delta, verify=verify, cast=cast, family=family)
+            report = chosen.install(
+                manifest,
+                sent,
+                force=force,
+                delta=delta,
+                verify=verify,
+                cast=cast,
+                family=family,
+                allow_nonfinite=allow_nonfinite,
+            )
     except BaseException as exc:
         with contextlib.suppress(Exception):  # the group broke (maybe why it failed): the others fail on it too
             source.finish(exc)

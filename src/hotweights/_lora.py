@@ -32,6 +32,7 @@ from hotweights.core.errors import (
     StaleWeightVersionError,
     WeightManifestValidationError,
 )
+from hotweights.core.finite import check_finite
 from hotweights.core.lora import adapter_config, lora_items, lora_mismatches
 from hotweights.core.manifest import TensorsLike
 from hotweights.core.report import InstallReport, PhaseTimer
@@ -71,6 +72,7 @@ def install_lora(
     pause: PauseMode = "wait",
     force: bool = False,
     timeout: float | None = 600.0,
+    allow_nonfinite: bool = False,
 ) -> InstallReport:
     """Install the LoRA adapter ``tensors`` into ``engine`` as ``name``, version ``weight_version``.
 
@@ -85,6 +87,8 @@ def install_lora(
         pause: what happens to requests in flight (see :func:`hotweights.install`); a ``vllm.LLM`` waits for running
             generation calls, so no output mixes two versions of the adapter.
         force: accept a ``weight_version`` not newer than the adapter's current one.
+        allow_nonfinite: load an adapter holding NaN or Inf (refused by default: on vLLM's CPU and GPU LoRA
+            kernels such an adapter, once loaded, also changes what requests without a ``lora_request`` get).
 
     Returns:
         The report (``adapter="lora"``, ``previous_version``: the adapter's, None for its first install).
@@ -92,6 +96,8 @@ def install_lora(
     Raises:
         WeightManifestValidationError: the adapter does not fit the base model or the engine (every mismatch
             listed); nothing was written, the previous version keeps serving.
+        NonFiniteWeightsError: a tensor of the adapter holds NaN or Inf (each one named, with counts); nothing was
+            written, the previous version keeps serving.
         StaleWeightVersionError: ``weight_version`` is not newer than the adapter's current one.
         EngineNotSupportedError: the engine was started without LoRA, or cannot load adapters from here.
         InstallError: vLLM refused the adapter while loading it; the previous version keeps serving.
@@ -107,7 +113,7 @@ def install_lora(
             "this is an AsyncLLM: install its adapter from async code with "
             "`await hotweights.install_lora_async(engine, tensors, name=..., weight_version=step)`"
         )
-    return _install_lora(handle, tensors, name, weight_version, config, pause, force, timeout)
+    return _install_lora(handle, tensors, name, weight_version, config, pause, force, timeout, allow_nonfinite)
 
 
 async def install_lora_async(
@@ -120,6 +126,7 @@ async def install_lora_async(
     pause: PauseMode = "wait",
     force: bool = False,
     timeout: float | None = 600.0,
+    allow_nonfinite: bool = False,
 ) -> InstallReport:
     """:func:`install_lora` for async code, and for an ``AsyncLLM`` (await it on the loop the engine runs on)."""
     handle = as_engine(engine)
@@ -128,7 +135,7 @@ async def install_lora_async(
 
         assert isinstance(handle, AsyncLLMHandle)
         handle.bind(asyncio.get_running_loop(), pause)
-    args = (handle, tensors, name, weight_version, config, pause, force, timeout)
+    args = (handle, tensors, name, weight_version, config, pause, force, timeout, allow_nonfinite)
     return await asyncio.to_thread(_install_lora, *args)
 
 
@@ -150,6 +157,7 @@ def _install_lora(
     pause: PauseMode,
     force: bool,
     timeout: float | None,
+    allow_nonfinite: bool = False,
 ) -> InstallReport:
     max_rank = handle.max_lora_rank()
     if max_rank is None:
@@ -166,6 +174,8 @@ def _install_lora(
         problems += lora_mismatches(items, handle.expected_weights(), max_rank)
         if problems:
             raise WeightManifestValidationError(problems, context=f"LoRA adapter {name!r}")
+        if not allow_nonfinite:  # an adapter is small: one pass over it, before anything is written
+            check_finite(items.items(), context=f"LoRA adapter {name!r}")
         files = adapter_config(config, items)
     with handle.installing(pause, timeout):
         slots = _slots(handle)

@@ -172,7 +172,7 @@ class FakeWire:
         problems = self.engine.expected_weights().mismatches(manifest)
         if problems:
             raise WeightManifestValidationError(problems, context="weight update (checked by the fake engine)")
-        self._staging.begin(manifest, check=False)
+        self._staging.begin(manifest, check=False, finite=not options.allow_nonfinite)
 
     def stage(self, update_id: str, bucket_json: str, descriptor: Descriptor) -> None:
         self._enter("stage")

@@ -18,6 +18,7 @@ from hotweights import (
     EngineNotSupportedError,
     EngineSleepingError,
     InstallError,
+    NonFiniteWeightsError,
     PartialUpdateError,
     UnprovenFamilyError,
     WeightManifestValidationError,
@@ -26,6 +27,7 @@ from hotweights.adapters import VLLMInProcessAdapter, VLLMMultiprocessAdapter, w
 from hotweights.core.families import is_proven
 from hotweights.vllm import compat
 
+from ..conftest import poisoned, refused_as
 from .conftest import PROMPTS, TinyCheckpoint, Variant, greedy_vllm, our_shm, start_engine, stop_engine
 
 pytestmark = pytest.mark.engine
@@ -388,3 +390,16 @@ def test_a_request_added_on_one_thread_and_stepped_on_another_leaves_no_hold(
         assert greedy_vllm(llm) == b.fresh
     finally:
         stop_engine(llm)
+
+
+def test_plain_llm_nan_and_inf_refused_before_the_reload(plain: tuple[Any, TinyCheckpoint, TinyCheckpoint]) -> None:
+    llm, _, b = plain
+    version = hotweights.adapter_for(llm).active_weight_version or 0
+    before, recorded = greedy_vllm(llm), llm.llm_engine.get_weight_version()
+    assert before != b.fresh  # the install would change the output
+    sd, named = poisoned(b.state_dict())
+    with pytest.raises(NonFiniteWeightsError) as info:
+        hotweights.install(llm, sd, weight_version=version + 1)
+    assert refused_as(info.value) == named
+    assert greedy_vllm(llm) == before and llm.llm_engine.get_weight_version() == recorded
+    assert our_shm() == []  # the checkpoint written aside went too

@@ -20,12 +20,14 @@ from hotweights import (
     Fleet,
     FleetAbortedError,
     FleetPartialCommitError,
+    NonFiniteWeightsError,
     PartialUpdateError,
     WeightManifestValidationError,
 )
 from hotweights.adapters.installer import Installer
 from hotweights.testing import EventLoopThread, start_async_engine
 
+from ..conftest import poisoned, refused_as
 from .conftest import TinyCheckpoint, Variant, greedy_vllm, our_shm, start_engine, stop_engine
 from .test_async_llm import greedy
 
@@ -117,6 +119,20 @@ def test_a_bad_update_is_refused_on_every_replica_before_any_write(replicas: Rep
     assert replicas.outputs() == before
     assert replicas.engine_versions() == versions
     assert [replicas.status(i)["session"] for i in range(3)] == ["", "", ""]
+
+
+def test_nan_and_inf_are_refused_on_every_replica_before_any_write(replicas: Replicas) -> None:
+    before, versions = replicas.outputs(), replicas.engine_versions()
+    sd, named = poisoned(replicas.b.state_dict() if before[0] != replicas.b.fresh else replicas.a.state_dict())
+    with pytest.raises(NonFiniteWeightsError) as info:
+        replicas.loop.run(replicas.fleet.install_async(sd, weight_version=replicas.next_version()))
+    found = refused_as(info.value)
+    del info
+    assert found and found.items() <= named.items()
+    assert replicas.outputs() == before  # every replica still serves its version, none fenced
+    assert replicas.engine_versions() == versions
+    assert [replicas.status(i)["session"] for i in range(3)] == ["", "", ""]
+    assert our_shm() == []
 
 
 def test_a_commit_that_fails_fences_that_replica_alone(replicas: Replicas, monkeypatch: pytest.MonkeyPatch) -> None:

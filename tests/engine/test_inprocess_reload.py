@@ -12,12 +12,18 @@ import pytest
 import torch
 
 import hotweights
-from hotweights import StaleWeightVersionError, WeightManifestValidationError, WeightUpdateManifest
+from hotweights import (
+    NonFiniteWeightsError,
+    StaleWeightVersionError,
+    WeightManifestValidationError,
+    WeightUpdateManifest,
+)
 from hotweights.adapters import VLLMInProcessAdapter
 from hotweights.testing import build_tiny_model
 from hotweights.vllm.worker import ops as worker_ops
 from hotweights.vllm.worker.ops import reload_checkpoint_tensors
 
+from ..conftest import poisoned, refused_as
 from .conftest import PROMPTS, TinyCheckpoint, Variant, greedy_vllm, start_engine, stop_engine
 
 pytestmark = pytest.mark.engine
@@ -296,3 +302,19 @@ def test_reload_that_raises_inside_vllm_leaves_a_usable_model(engine: Engine, mo
     assert greedy_vllm(engine.llm) == engine.b.fresh
     engine.install(engine.a)
     assert greedy_vllm(engine.llm) == engine.a.fresh
+
+
+def test_nan_and_inf_are_refused_by_reference_before_anything_is_written(engine: Engine) -> None:
+    engine.install(engine.a)
+    before, version = engine.outputs(), engine.adapter.active_weight_version
+    assert before == engine.a.fresh != engine.b.fresh
+    sd, named = poisoned(engine.b.state_dict())
+    for install in (
+        lambda: hotweights.install(engine.llm, sd, weight_version=engine.version()),  # the direct setter, by reference
+        lambda: engine.adapter.install(WeightUpdateManifest.from_state_dict(sd, weight_version=engine.version()), sd),
+    ):
+        with pytest.raises(NonFiniteWeightsError) as info:
+            install()
+        assert refused_as(info.value) == named  # every bad tensor at once: they are all at hand
+    assert engine.adapter.active_weight_version == version
+    assert engine.outputs() == before  # not fenced: nothing was written

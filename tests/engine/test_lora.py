@@ -13,8 +13,9 @@ import pytest
 import torch
 
 import hotweights
-from hotweights import StaleWeightVersionError, WeightManifestValidationError
+from hotweights import NonFiniteWeightsError, StaleWeightVersionError, WeightManifestValidationError
 
+from ..conftest import refused_as
 from .conftest import PROMPTS, build_tiny_model, greedy_hf, our_shm, start_engine, stop_engine
 
 pytestmark = pytest.mark.engine
@@ -141,6 +142,27 @@ def test_a_bad_adapter_is_refused_naming_each_problem_and_the_old_one_keeps_serv
     assert "q_proj.lora_B.weight" in text and "rank <= 8" in text and "no_such" in text and "lm_head" in text
     assert len(info.value.mismatches) >= 5
     assert greedy(llm, hotweights.lora_request(llm, "policy")) == lora.fresh[1]  # nothing was written
+
+
+def test_a_nonfinite_adapter_is_refused_and_base_requests_are_unchanged(lora: Lora, inprocess: Any) -> None:
+    llm = inprocess
+    good = adapter_tensors(lora.models[1])
+    hotweights.install_lora(llm, good, name="policy", weight_version=20, config=lora.config, force=True)
+    bad = dict(good)
+    b = next(n for n in bad if n.endswith("q_proj.lora_B.weight"))
+    bad[b] = bad[b].clone()
+    bad[b][0, 0] = float("nan")
+    a = next(n for n in bad if n.endswith("down_proj.lora_A.weight"))
+    bad[a] = torch.full_like(bad[a], float("-inf"))
+    with pytest.raises(NonFiniteWeightsError) as info:
+        hotweights.install_lora(llm, bad, name="policy", weight_version=21, config=lora.config)
+    assert refused_as(info.value) == {
+        b: f"1 NaN and 0 Inf among {bad[b].numel()} values",
+        a: f"0 NaN and {bad[a].numel()} Inf among {bad[a].numel()} values",
+    }
+    assert "LoRA adapter 'policy'" in str(info.value)
+    assert served_by(llm, hotweights.lora_request(llm, "policy")) == (lora.fresh[1], {20})  # the old one serves
+    assert greedy(llm) == lora.fresh_base  # base requests never saw the bad adapter
 
 
 def test_the_adapter_alone_into_a_multiprocess_llm(lora: Lora) -> None:

@@ -24,6 +24,7 @@ from hotweights import (
     DeltaBaseMismatchError,
     ExpectedWeights,
     InstallError,
+    NonFiniteWeightsError,
     PartialUpdateError,
     WeightManifestValidationError,
     WeightUpdateManifest,
@@ -37,6 +38,7 @@ from hotweights.transports import EngineLink, Stage, WeightTransport, make_trans
 from hotweights.transports.shm import SHM_DIR, sweep_stale
 from hotweights.vllm.worker.session import SessionOptions
 
+from ..conftest import poisoned, refused_as
 from .conftest import TinyCheckpoint, Variant, greedy_vllm, our_shm, start_engine, stop_engine
 
 pytestmark = pytest.mark.engine
@@ -691,4 +693,53 @@ def test_a_pipelined_install_failing_mid_way_writes_nothing(engine: Engine) -> N
     assert greedy_vllm(engine.llm) == engine.a.fresh
     assert our_shm() == []
     engine.install(engine.b, "shm")
+    assert greedy_vllm(engine.llm) == engine.b.fresh
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_nan_and_inf_are_refused_by_the_worker_before_anything_is_written(engine: Engine, transport: str) -> None:
+    engine.install(engine.a, transport)
+    version = engine._version
+    assert engine.a.fresh != engine.b.fresh
+    sd, named = poisoned(engine.b.state_dict())
+    with engine.adapter(transport) as adapter, pytest.raises(NonFiniteWeightsError) as info:
+        adapter.install(WeightUpdateManifest.from_state_dict(sd, weight_version=version + 1), sd)
+    found = refused_as(info.value)  # the tensors of the first bucket that holds any, with their counts
+    assert found and found.items() <= named.items() and "checked by the engine's worker" in str(info.value)
+    assert engine.llm.llm_engine.get_weight_version() == str(version)
+    assert greedy_vllm(engine.llm) == engine.a.fresh  # still serving A, not fenced
+    assert our_shm() == []
+
+
+def test_a_nonfinite_delta_is_refused_and_the_next_delta_applies(engine: Engine) -> None:
+    adapter = engine.adapter("shm")
+    b = engine.b.state_dict()
+    assert adapter.install(WeightUpdateManifest.from_state_dict(b, weight_version=engine.version()), b, delta=True)
+    sd, named = poisoned(engine.a.state_dict())
+    with pytest.raises(NonFiniteWeightsError) as info:
+        adapter.install(WeightUpdateManifest.from_state_dict(sd, weight_version=engine._version + 1), sd, delta=True)
+    found = refused_as(info.value)
+    del info  # its traceback holds the trainer's shared copy of the delta base (a file in /dev/shm)
+    # named as they cross: the delta's wire tensors, <name>:values (a few elements) or <name>:full
+    assert found and {n.rsplit(":", 1)[0] for n in found} <= set(named)
+    assert greedy_vllm(engine.llm) == engine.b.fresh
+    a = engine.a.state_dict()
+    report = adapter.install(WeightUpdateManifest.from_state_dict(a, weight_version=engine.version()), a, delta=True)
+    assert report.delta == "applied" and greedy_vllm(engine.llm) == engine.a.fresh
+    adapter.forget_delta_base()
+    adapter.close()
+    assert our_shm() == []  # the trainer's shared copy went with the delta base
+
+
+def test_a_nonfinite_bucket_streamed_fails_closed_until_a_full_install(engine: Engine) -> None:
+    engine.install(engine.a)
+    sd, _ = poisoned(engine.b.state_dict())
+    adapter = VLLMMultiprocessAdapter(engine.llm, commit="streaming", bucket_bytes=SMALL_BUCKET)
+    adapter.active_weight_version = engine._version
+    with adapter, pytest.raises(InstallError, match="NaN") as info:  # earlier buckets went into the live model
+        adapter.install(WeightUpdateManifest.from_state_dict(sd, weight_version=engine._version + 1), sd)
+    assert "nonfinite" in str(info.value) and "Some layers may hold new weights" in str(info.value)
+    with pytest.raises(PartialUpdateError):
+        greedy_vllm(engine.llm)
+    engine.install(engine.b)  # a full install heals it
     assert greedy_vllm(engine.llm) == engine.b.fresh

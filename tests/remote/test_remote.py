@@ -26,6 +26,7 @@ from hotweights.handles.pause import PauseOwner
 from hotweights.handles.remote import RemoteHandle
 from hotweights.testing import PROMPTS
 from hotweights.transports import shm
+from tests.conftest import poisoned, refused_as
 from tests.remote.server import Server, start_server
 
 pytestmark = pytest.mark.engine
@@ -107,6 +108,20 @@ def test_bad_update_is_refused_with_nothing_written(
         hotweights.install(engine, bad, weight_version=100)
     with pytest.raises(hotweights.StaleWeightVersionError):
         hotweights.install(engine, models["A"].state_dict(), weight_version=1)
+    assert engine.get_weight_version() == before
+    assert server.completions(PROMPTS) == outputs
+
+
+def test_nan_and_inf_are_refused_by_the_server_with_nothing_written(
+    engine: RemoteHandle, server: Server, models: dict[str, Any]
+) -> None:
+    before, outputs = engine.get_weight_version(), server.completions(PROMPTS)
+    sd, named = poisoned(dict(models["B"].state_dict()))
+    with pytest.raises(hotweights.NonFiniteWeightsError) as info:
+        hotweights.install(engine, sd, weight_version=next_version(engine))
+    found, text = refused_as(info.value), str(info.value)
+    del info
+    assert found and found.items() <= named.items() and "checked by the engine's worker" in text
     assert engine.get_weight_version() == before
     assert server.completions(PROMPTS) == outputs
 

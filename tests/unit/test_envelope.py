@@ -26,6 +26,7 @@ from hotweights.core.errors import (
     HotWeightsTimeoutError,
     InstallError,
     Mismatch,
+    NonFiniteWeightsError,
     StaleWeightVersionError,
     WeightManifestValidationError,
     WeightVersionUnknownError,
@@ -52,6 +53,8 @@ def _sample(cls: type[HotWeightsError]) -> HotWeightsError:
             Mismatch("manifest", "weight_version", actual=ODD),
         ]
         return WeightManifestValidationError(found, context="delta update (checked by the engine's worker)")
+    if cls is NonFiniteWeightsError:
+        return NonFiniteWeightsError([Mismatch("nonfinite", "w", "finite values", "1 NaN and 0 Inf among 4 values")])
     if cls is FleetPartialCommitError:
         return FleetPartialCommitError(ODD, report=object())
     return cls(ODD)

@@ -20,6 +20,7 @@ from hotweights import (
     HotWeightsTimeoutError,
     InstallError,
     Mismatch,
+    NonFiniteWeightsError,
     PartialUpdateError,
     StaleWeightVersionError,
     UnprovenFamilyError,
@@ -46,6 +47,7 @@ PUBLIC_ERRORS = [
     WeightVersionUnknownError,
     FamilyProbeError,
     UnprovenFamilyError,
+    NonFiniteWeightsError,
 ]
 
 ALL_KINDS: tuple[str, ...] = typing.get_args(MismatchKind)
@@ -150,7 +152,8 @@ def test_exactly_fifty_is_not_truncated() -> None:
 
 def test_kinds_cover_the_documented_set() -> None:
     assert set(ALL_KINDS) == {
-        "missing", "unexpected", "shape", "dtype", "nbytes", "not_tensor", "manifest", "digest", "delta"
+        "missing", "unexpected", "shape", "dtype", "nbytes", "not_tensor", "manifest", "digest", "delta",
+        "nonfinite",
     }  # fmt: skip
 
 

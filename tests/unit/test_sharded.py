@@ -15,7 +15,12 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from hotweights.core.errors import InstallError, StaleWeightVersionError, WeightManifestValidationError
+from hotweights.core.errors import (
+    InstallError,
+    NonFiniteWeightsError,
+    StaleWeightVersionError,
+    WeightManifestValidationError,
+)
 from hotweights.core.report import InstallReport
 from hotweights.core.sharded import Gatherer, agree, cut_of, follow, is_sharded
 from hotweights.transports.shm import opened_for_writes
@@ -131,6 +136,17 @@ def _run(rank: int, port: int, results: Any) -> None:
             agree(items, version, leads)
         except (WeightManifestValidationError, ValueError) as exc:
             out.setdefault("refusals", []).append(type(exc).__name__)
+    # 3b. A NaN in the other rank's shard: found where it lives, the same refusal on both ranks; allowed, it agrees.
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    rows = torch.zeros(7, 3)
+    rows[6, 0] = float("nan")  # in rank 1's chunk (rows 4-6)
+    poisoned = [items[0], ("rows", distribute_tensor(rows, items[0][1].device_mesh, [Shard(0)])), *items[2:]]
+    try:
+        agree(poisoned, 9, rank == 0)
+    except NonFiniteWeightsError as exc:
+        out["nonfinite"] = [(m.kind, m.name) for m in exc.mismatches]
+    out["allowed"] = agree(poisoned, 9, rank == 0, finite=False)
     # 4. Tensor-parallel chunks (plain tensors): rows cut on dim 0 (4 and 3 + 1 padding row), cols cut on dim 1.
     full_rows = torch.arange(21, dtype=torch.float32).reshape(7, 3)
     full_cols = torch.arange(24, dtype=torch.float32).reshape(4, 6)
@@ -277,6 +293,8 @@ def test_leader_gathers_views_and_every_rank_ends_alike() -> None:
     assert other["errors"][0].startswith("StaleWeightVersionError: weight_version 7 is not newer")
     assert other["errors"][1] == "ValueError: bad option; nothing was written"
     assert lead["refusals"] == other["refusals"] == ["WeightManifestValidationError", "ValueError"]
+    assert lead["nonfinite"] == other["nonfinite"] == [("nonfinite", "rank 1")]
+    assert lead["allowed"] == other["allowed"] == 0
     assert lead["cut"] == [True] * 6
     assert lead["misplaced"] == other["misplaced"] and "rank(s) [1]" in other["misplaced"]
     # rank writes: the shards', views' and dim-0/dim-1 chunks' bytes land whole in the leader's files; only the

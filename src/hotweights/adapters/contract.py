@@ -57,10 +57,14 @@ class InstallCall(PhaseTimer):
     share: the verify option, whether the engine may have been written, the gate it holds (``writing``), when it
     took it (the start of its stall) and which install path ran."""
 
-    def __init__(self, verify: bool = False, *, strict: bool = False, member: Member | None = None) -> None:
+    def __init__(
+        self, verify: bool = False, *, strict: bool = False, member: Member | None = None, allow_nonfinite: bool = False
+    ) -> None:
         super().__init__()
         self.verify = verify
         self.strict = strict
+        self.allow_nonfinite = allow_nonfinite
+        """Install tensors holding NaN or Inf (by default refused before anything is written)."""
         self.member = member
         """The fleet member this install runs as (None: a plain install): it stops at the fleet's commit point."""
         self.writing = ExitStack()
@@ -179,6 +183,7 @@ class WeightInstallAdapter(ABC):
         cast: Cast | None = None,
         family: FamilyCheck | None = None,
         member: Member | None = None,
+        allow_nonfinite: bool = False,
     ) -> InstallReport:
         """Validate ``tensors`` against ``manifest`` and the engine, install them, and report.
 
@@ -205,10 +210,13 @@ class WeightInstallAdapter(ABC):
             family: how the model's family is guarded (:func:`hotweights._family.check_family`, which
                 ``hotweights.install`` runs): its probe is scored after the write, before generation is let back
                 in, and a difference fails closed (:class:`FamilyProbeError`).
+            allow_nonfinite: install tensors holding NaN or Inf. By default each bucket is checked where its bytes
+                already are (the engine's worker, as it stages it) and such an update is refused.
 
         Raises:
             WeightManifestValidationError: names, shapes or dtypes do not match (every mismatch listed);
                 nothing was written.
+            NonFiniteWeightsError: a tensor holds NaN or Inf (each one named, with counts); nothing was written.
             UnsupportedLayoutError: the manifest's layout is not one this adapter installs.
             StaleWeightVersionError: the version is not newer than the active one and ``force`` is False.
             HotWeightsTimeoutError: another install held the lock past ``lock_timeout``.
@@ -222,7 +230,7 @@ class WeightInstallAdapter(ABC):
             )
         try:
             wanted = self.options.check_call(verify, delta, self.abilities)
-            call = InstallCall(wanted, strict=verify == "strict", member=member)
+            call = InstallCall(wanted, strict=verify == "strict", member=member, allow_nonfinite=allow_nonfinite)
             items = tensors if isinstance(tensors, CastItems) else _as_items(tensors)  # lazy stays lazy
             return log_report(self._install_locked(call, manifest, items, force, delta, cast, family))
         finally:

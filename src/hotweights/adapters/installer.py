@@ -191,6 +191,7 @@ class Installer(VLLMEngineAdapter):
             verify=timer.verify,
             expires_s=_expiry(timer),
             kv_reclaimable=self._kv_reclaimable,
+            allow_nonfinite=timer.allow_nonfinite,
             **more,
         )
 
@@ -218,6 +219,7 @@ class Installer(VLLMEngineAdapter):
             shared_base=shared.descriptor() if shared is not None else None,
             expires_s=_expiry(timer),
             kv_reclaimable=self._kv_reclaimable,
+            allow_nonfinite=timer.allow_nonfinite,
         )
         try:
             return self._session(wire, options, delta.wire, timer)

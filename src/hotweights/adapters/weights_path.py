@@ -19,7 +19,8 @@ from hotweights.adapters._vllm import EngineOptions, VLLMEngineAdapter
 from hotweights.adapters.contract import InstallCall, Items
 from hotweights.core import two_phase
 from hotweights.core.cast import CastItems
-from hotweights.core.errors import EngineNotSupportedError
+from hotweights.core.errors import EngineNotSupportedError, Mismatch, NonFiniteWeightsError
+from hotweights.core.finite import nonfinite
 from hotweights.core.manifest import _ST_DTYPES, WeightUpdateManifest, dtype_from_str
 from hotweights.handles import EngineHandle
 from hotweights.transports.shm import SHM_DIR, sweep_stale
@@ -76,7 +77,9 @@ class VLLMWeightsPathAdapter(VLLMEngineAdapter):
         directory = Path(tempfile.mkdtemp(prefix=f"hotweights-{os.getpid()}-ckpt-", dir=SHM_DIR))
         try:
             with timer("pack"):
-                _write_safetensors(directory / CHECKPOINT_FILE, items)
+                found = _write_safetensors(directory / CHECKPOINT_FILE, items, check=not timer.allow_nonfinite)
+            if found:  # before the engine reads a byte of it
+                raise NonFiniteWeightsError(found, f"update {manifest.update_id} (v{manifest.weight_version})")
             two_phase.commit_point(
                 timer.member
             )  # inside a fleet: every replica's checkpoint written before any reloads
@@ -107,9 +110,10 @@ class VLLMWeightsPathAdapter(VLLMEngineAdapter):
             )
 
 
-def _write_safetensors(path: Path, items: Items) -> None:
+def _write_safetensors(path: Path, items: Items, *, check: bool = False) -> list[Mismatch]:
     """``items`` as one safetensors file, written tensor by tensor: a tensor (cast, moved to the host or made
-    contiguous where needed) is dropped once its bytes are written, so the update is never held twice."""
+    contiguous where needed) is dropped once its bytes are written, so the update is never held twice. ``check``:
+    each tensor is checked for NaN and Inf as it is written; returns what was found."""
     header: dict[str, dict[str, Any]] = {}
     offset = 0
     for name, tensor in _described(items):
@@ -122,12 +126,16 @@ def _write_safetensors(path: Path, items: Items) -> None:
         offset += n
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)  # the data starts 8-byte aligned
+    found: list[Mismatch] = []
     with open(path, "wb") as f:
         f.write(struct.pack("<Q", len(blob)) + blob)
-        for _, tensor in items:
+        for name, tensor in items:
+            if check:
+                found += nonfinite([(name, tensor)])
             host = tensor.detach().to("cpu").contiguous()
             if host.numel():
                 f.write(memoryview(host.reshape(-1).view(torch.uint8).numpy()))  # type: ignore[arg-type]
+    return found
 
 
 def _described(items: Items) -> list[tuple[str, torch.Tensor]]:

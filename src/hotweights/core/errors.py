@@ -4,6 +4,7 @@ Hierarchy::
 
     HotWeightsError
     ├── WeightManifestValidationError   tensors or manifest do not match (names every mismatch)
+    │   └── NonFiniteWeightsError       a tensor holds NaN or Inf (names each one and how many)
     ├── UnsupportedLayoutError          a layout this version or adapter cannot install
     ├── StaleWeightVersionError         weight_version not newer than the active one
     ├── DeltaBaseMismatchError          a delta computed against another version than the engine serves
@@ -37,6 +38,7 @@ __all__ = [
     "HotWeightsTimeoutError",
     "InstallError",
     "Mismatch",
+    "NonFiniteWeightsError",
     "PartialUpdateError",
     "StaleWeightVersionError",
     "UnprovenFamilyError",
@@ -45,7 +47,9 @@ __all__ = [
     "WeightVersionUnknownError",
 ]
 
-MismatchKind = Literal["missing", "unexpected", "shape", "dtype", "nbytes", "not_tensor", "manifest", "digest", "delta"]
+MismatchKind = Literal[
+    "missing", "unexpected", "shape", "dtype", "nbytes", "not_tensor", "manifest", "digest", "delta", "nonfinite"
+]
 
 
 class HotWeightsError(Exception):
@@ -81,6 +85,8 @@ _HINTS: dict[str, str] = {
     "not_tensor": "pass torch.Tensor values",
     "manifest": "fix the manifest fields named above",
     "digest": "the bytes differ from the ones the manifest was built from: rebuild the manifest from these tensors",
+    "nonfinite": "the update holds NaN or Inf (a diverged step?): skip this update and install a later, finite one; "
+    "install(..., allow_nonfinite=True) installs it anyway",
     "delta": "encode deltas with DeltaBase.encode (sorted unique in-range indices, one value per index), or send a "
     "full update (delta=False)",
 }
@@ -101,6 +107,12 @@ class WeightManifestValidationError(HotWeightsError):
             lines.append(f"  ... and {len(self.mismatches) - 50} more (see .mismatches)")
         lines += [f"  fix ({k}): {_HINTS[k]}" for k in kinds]
         super().__init__("\n".join(lines))
+
+
+class NonFiniteWeightsError(WeightManifestValidationError):
+    """A tensor of the update holds NaN or Inf (``mismatches`` names each one and how many); nothing was written and
+    the previous version keeps serving. Checked where the bytes already pass (each staged bucket, on the device
+    that holds it); ``install(..., allow_nonfinite=True)`` turns the check off."""
 
 
 class UnsupportedLayoutError(HotWeightsError):
@@ -176,8 +188,9 @@ class UnprovenFamilyError(EngineNotSupportedError):
 
 class FamilyProbeError(InstallError):
     """After the first install of an unproven family, the engine's output on the probe differed from the reference
-    computed from the sent tensors: vLLM's install of this family is wrong here. Generation fails closed
-    (:class:`PartialUpdateError`) and the active version is unchanged."""
+    computed from the sent tensors: either vLLM's install of this family is wrong here, or the reference is what
+    differs (a freshly started engine on the same weights gives the same output; then ``unproven="trust"``).
+    Generation fails closed (:class:`PartialUpdateError`) and the active version is unchanged."""
 
 
 class PartialUpdateError(HotWeightsError):

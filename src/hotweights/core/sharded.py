@@ -29,6 +29,7 @@ from __future__ import annotations
 import bisect
 import hashlib
 import json
+import logging
 import math
 import socket
 import threading
@@ -45,13 +46,17 @@ from hotweights.core.errors import (
     HotWeightsError,
     InstallError,
     Mismatch,
+    NonFiniteWeightsError,
     UnsupportedLayoutError,
     WeightManifestValidationError,
 )
+from hotweights.core.finite import nonfinite
 from hotweights.core.manifest import ExpectedWeights, MetadataValue, TensorSpec, WeightUpdateManifest
 from hotweights.core.rank_writes import WRITE, OpenFile, RankWrites, write_for_leader
 from hotweights.core.report import InstallReport
 from hotweights.core.sources import TensorSource, checkpoint_names
+
+log = logging.getLogger("hotweights")
 
 __all__ = ["Gatherer", "agree", "follow", "gathering", "is_sharded", "same_host"]
 
@@ -259,19 +264,32 @@ def cut_of(local: tuple[int, ...], full: tuple[int, ...], size: int) -> int | No
     raise ValueError(f"shape {local} is not one of {size} tensor-parallel chunks of the engine's {full}")
 
 
-def agree(items: Items, weight_version: int, leads: bool, group: Any = None, tp: tuple[int, int] | None = None) -> int:
+def agree(
+    items: Items,
+    weight_version: int,
+    leads: bool,
+    group: Any = None,
+    tp: tuple[int, int] | None = None,
+    *,
+    finite: bool = True,
+) -> int:
     """Check, on every rank at once, that all hold the same names, shapes and dtypes and the same version, and that
     exactly one passed an engine; returns that rank (in ``group``). ``tp``: this rank's ``(tp_rank, tp_size)``
-    for tensor-parallel chunks, which must be its rank in ``group`` and the group's size.
+    for tensor-parallel chunks, which must be its rank in ``group`` and the group's size. ``finite``: each rank
+    also checks its own shards for NaN and Inf, on the device that holds them (no rank gathers anything for it).
 
     Raises (the same error on every rank, nothing gathered or written):
         WeightManifestValidationError: the ranks' state dicts or versions differ.
+        NonFiniteWeightsError: a rank's shards hold NaN or Inf (the ranks named; each logs its own tensors).
         ValueError: no rank, or more than one, passed an engine; or a rank's ``tp`` is not its place in the group.
     """
     world = dist.get_world_size(group)
     placed = tp is None or tp == (dist.get_rank(group), world)
     digest = _fingerprint(items, weight_version)
-    mine = torch.tensor([*digest, int(leads), int(placed)], dtype=torch.uint8, device=_device(group))
+    bad = nonfinite([(n, _local(t)) for n, t in items]) if finite else []
+    if bad:
+        log.warning("hotweights: this rank's shards hold NaN or Inf: %s", "; ".join(map(str, bad[:20])))
+    mine = torch.tensor([*digest, int(bool(bad)), int(leads), int(placed)], dtype=torch.uint8, device=_device(group))
     rows = [torch.empty_like(mine) for _ in range(world)]
     dist.all_gather(rows, mine, group=group)
     misplaced = [i for i, r in enumerate(rows) if not int(r[-1])]
@@ -280,7 +298,7 @@ def agree(items: Items, weight_version: int, leads: bool, group: Any = None, tp:
             f"WeightLayout(tp_rank, tp_size) must be each rank's place in the group (tp_rank = its rank, tp_size = "
             f"the group's size {world}); rank(s) {misplaced[:8]} passed another. Nothing was written."
         )
-    seen = [bytes(r[:-2].cpu().tolist()) for r in rows]
+    seen = [bytes(r[:-3].cpu().tolist()) for r in rows]
     leaders = [i for i, r in enumerate(rows) if int(r[-2])]
     differ = [i for i, s in enumerate(seen) if s != seen[0]]
     if differ:
@@ -297,6 +315,10 @@ def agree(items: Items, weight_version: int, leads: bool, group: Any = None, tp:
             f"a sharded install needs exactly one rank that passes the engine, the others engine=None; "
             f"{len(leaders)} rank(s) passed one ({leaders[:8]}); nothing was written"
         )
+    poisoned = [i for i, r in enumerate(rows) if int(r[-3])]
+    if poisoned:
+        found = [Mismatch("nonfinite", f"rank {i}", "finite values", "NaN or Inf in its shards") for i in poisoned]
+        raise NonFiniteWeightsError(found, context="sharded install (each rank's log names its tensors)")
     return leaders[0]
 
 

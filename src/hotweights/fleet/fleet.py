@@ -162,7 +162,7 @@ class Fleet:
         if not delta:  # a delta differs per replica's base: each is sent its own
             _group(coordinator, adapters)
         bucket_bytes = min((a.bucket_size for a in adapters if a.bucket_size), default=default_bucket_bytes(32 << 20))
-        kwargs = {k: options[k] for k in ("force", "delta", "verify", "cast") if k in options}
+        kwargs = {k: options[k] for k in ("force", "delta", "verify", "cast", "allow_nonfinite") if k in options}
         families = [check_family(e, items, options.get("unproven")) for e in self.engines]  # before any staging
         run = _Run(self, adapters, coordinator, manifest.weight_version, manifest.tensors)
         for i, adapter in enumerate(adapters):

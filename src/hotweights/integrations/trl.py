@@ -45,7 +45,7 @@ __all__ = ["LORA_NAME", "TRLWeightSync", "attach", "lora_engine"]
 #: The name the trainer's adapter is installed under in an adapter-only sync.
 LORA_NAME = "trl-policy"
 #: The install options an adapter-only sync passes on to :func:`hotweights.install_lora`.
-_LORA_OPTIONS = frozenset({"pause", "force"})
+_LORA_OPTIONS = frozenset({"pause", "force", "allow_nonfinite"})
 
 _TESTED_TRL = "trl==1.16.0"
 # hotweights.install's keyword options that attach() passes on; weight_version and update_id it sets per sync.

@@ -73,6 +73,9 @@ class SessionOptions(pydantic.BaseModel):
     """Keep a host copy of what this session installs, for later deltas (the trainer uses deltas on this engine)."""
     verify: bool = False
     """After the commit, read the live parameters back and compare them with what was staged."""
+    allow_nonfinite: bool = False
+    """Stage tensors that hold NaN or Inf (by default each bucket is checked as it is staged and such an update is
+    refused: :class:`~hotweights.NonFiniteWeightsError`)."""
     kv_reclaimable: bool = False
     """The trainer keeps generation off the engine and resets its caches after (pause ``wait`` or ``abort``): a
     reload may borrow vLLM 0.34's extensible KV cache (:func:`hotweights.vllm.compat.kv_cache_lent`). Sent only to
@@ -210,6 +213,8 @@ class WorkerSession:
     def _opened(self, options: SessionOptions, update_id: str, delta: DeltaManifest | None = None) -> None:
         """The new session replaces whatever was open (its staging was dropped by ``StagingArea.begin``)."""
         self.options, self.update_id, self.delta, self.prepared = options, update_id, delta, None
+        if self.staging.session is not None:
+            self.staging.session.check_finite = not options.allow_nonfinite
 
     @_locked
     def stage(self, update_id: str, bucket_json: str, descriptor: dict[str, Any]) -> int:

@@ -20,6 +20,7 @@ import pydantic
 import torch
 
 from hotweights.core.buckets import Bucket, bucket_problems, unpack, unpack_parts
+from hotweights.core.finite import check_finite
 from hotweights.core.manifest import WeightUpdateManifest
 from hotweights.transports import engine_side
 from hotweights.vllm.expected import check_manifest
@@ -55,6 +56,8 @@ class InstallSession:
     keepalive: list[Any] = field(default_factory=list)
     nbytes: int = 0
     digests_verified: int = 0
+    check_finite: bool = True
+    """Refuse a tensor holding NaN or Inf as it is staged (the session's ``allow_nonfinite`` turns it off)."""
 
     def missing(self) -> list[str]:
         return [n for n in self.manifest.tensors if n not in self.received]
@@ -73,11 +76,13 @@ class StagingArea:
         stream: Callable[[WeightUpdateManifest], Stream] | None = None,
         *,
         check: bool = True,
+        finite: bool = True,
     ) -> str:
         """Open a session (streaming into ``stream(manifest)`` when given); one left open (e.g. by a crashed
         trainer) is dropped first. A manifest that differs from the checkpoint the owner serves is refused here
         (:func:`~hotweights.vllm.expected.check_manifest`); ``check=False`` for a delta's wire tensors (indices
-        and values, checked against the worker's copy by the delta session)."""
+        and values, checked against the worker's copy by the delta session). ``finite``: refuse a tensor holding NaN
+        or Inf as it is staged (:class:`~hotweights.NonFiniteWeightsError`)."""
         if isinstance(manifest_json, WeightUpdateManifest):
             manifest = manifest_json
         else:
@@ -87,7 +92,9 @@ class StagingArea:
         if self.session is not None:
             log.warning("hotweights: dropping unfinished update %s", self.session.manifest.update_id)
             self.abort()
-        self.session = InstallSession(manifest, stream=stream(manifest) if stream is not None else None)
+        self.session = InstallSession(
+            manifest, stream=stream(manifest) if stream is not None else None, check_finite=finite
+        )
         return manifest.update_id
 
     def current(self, update_id: str) -> InstallSession:
@@ -136,6 +143,8 @@ class StagingArea:
             raise ValueError(
                 f"bucket {bucket.index}: digest mismatch (bytes changed in transit) for {[m.name for m in bad][:5]}"
             )
+        if session.check_finite:  # on the bucket's own bytes, while they are at hand; the first bad bucket refuses
+            check_finite(tensors.items(), _checked_by_worker(session, f"bucket {bucket.index}"))
         session.digests_verified += sum(session.manifest.tensors[n].digest is not None for n in tensors)
         session.received.update(tensors)
         session.nbytes += bucket.nbytes
@@ -159,6 +168,8 @@ class StagingArea:
         names = item_names(tensors)
         if names != list(session.manifest.tensors):
             raise ValueError(f"update {update_id}: the tensors staged by reference are not the manifest's")
+        if session.check_finite:  # a cast keeps NaN and Inf: the caller's tensors tell
+            check_finite(getattr(tensors, "source", tensors), _checked_by_worker(session, "every tensor"))
         if aside:  # built into the model's twin now, while the engine serves
             from hotweights.core.cast import lazy_mapping
 
@@ -225,6 +236,11 @@ def _assemble(session: InstallSession, parts: Any) -> dict[str, torch.Tensor]:
             done[name] = tensor
             del session.partial[name]
     return done
+
+
+def _checked_by_worker(session: InstallSession, what: str) -> str:
+    m = session.manifest
+    return f"update {m.update_id} (v{m.weight_version}; {what} checked by the engine's worker as it was staged)"
 
 
 def _refuse_incomplete(session: InstallSession) -> None:
