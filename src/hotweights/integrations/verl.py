@@ -1,0 +1,492 @@
+"""verl's rollouts through hotweights: a worker extension verl names in its engine kwargs, nothing else changes.
+
+verl (0.9) syncs a colocated vLLM rollout with ``BucketedWeightSender``: ZMQ messages describing each bucket, the
+bytes in shared memory (or a CUDA IPC buffer), one acknowledgement per bucket. Its worker side,
+``vLLMColocateWorkerExtension.update_weights_from_ipc``, loads each bucket straight into the live model. With::
+
+    actor_rollout_ref.rollout.engine_kwargs.vllm.worker_extension_cls=hotweights.integrations.verl.VerlWorkerExtension
+
+the same RPC speaks verl's protocol to verl's unchanged sender, but stages each bucket into hotweights' install
+session (:mod:`hotweights.vllm.worker.session`): checked against the checkpoint the engine serves (names, shapes)
+before anything is written, cast to the engine's dtype, and committed atomically on the last bucket, versioned by
+verl's ``global_steps`` when one is passed (else one more than the last). It always answers the sender: a refused or
+failed update is acknowledged to the end (the sender returns), then raises in the RPC with hotweights' typed error
+(its envelope crosses vLLM's RPC: :func:`hotweights.core.envelope.decode`); the previous weights keep serving. A
+sender that stops sending for :data:`TIMEOUT_ENV` seconds (default :data:`DEFAULT_TIMEOUT_S`) ends the update the
+same way. verl's messages are read with an unpickler that admits only the torch types verl's protocol carries.
+
+``VerlWorkerExtension`` subclasses verl's own extension (everything else verl calls on it, such as
+``monkey_patch_model``, is verl's) and hotweights' :data:`hotweights.WORKER_EXTENSION`; it is built when first
+looked up, so importing this module never imports verl. LoRA syncs (``peft_config`` with ``base_sync_done``) are
+refused with :class:`~hotweights.EngineNotSupportedError` for now: set ``actor_rollout_ref.model.lora.merge=True``.
+"""
+
+from __future__ import annotations
+
+import functools
+import io
+import logging
+import mmap
+import os
+import pickle
+import re
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hotweights.core import attach
+from hotweights.core.buckets import ALIGNMENT, Bucket, BucketEntry
+from hotweights.core.envelope import enveloped
+from hotweights.core.errors import (
+    EngineNotSupportedError,
+    HotWeightsTimeoutError,
+    InstallError,
+    Mismatch,
+    WeightManifestValidationError,
+)
+from hotweights.core.manifest import ExpectedWeights, TensorSpec, WeightUpdateManifest, dtype_to_str
+from hotweights.transports import available_transports, register_transport
+from hotweights.vllm.worker.extension import HotWeightsWorkerExtension
+from hotweights.vllm.worker.session import SessionOptions, session_of
+
+__all__ = ["DEFAULT_TIMEOUT_S", "TIMEOUT_ENV", "VerlReceiver", "open_bucket"]  # and VerlWorkerExtension, built on use
+
+log = logging.getLogger("hotweights")
+
+#: Seconds the worker waits for verl's sender's next message before it ends the update (the sender is gone).
+TIMEOUT_ENV = "HOTWEIGHTS_VERL_TIMEOUT_S"
+DEFAULT_TIMEOUT_S = 300.0
+#: The shared-memory names verl's sender makes (``verl_weights_<uuid4 hex>``): the only files this worker opens.
+SHM_NAME = re.compile(r"verl_weights_[0-9a-f]{32}")
+SHM_DIR = Path("/dev/shm")
+_TRANSPORT = "verl"
+
+_TORCH_TYPES = {
+    "Size",
+    "Tensor",
+    "device",
+    *(n for n in dir(torch) if isinstance(getattr(torch, n, None), torch.dtype)),
+}
+#: The globals verl's messages may name: torch's Size, dtypes and device; CUDA IPC handles (``reduce_tensor``).
+_ALLOWED = {("torch", n) for n in _TORCH_TYPES} | {
+    ("torch.multiprocessing.reductions", "rebuild_cuda_tensor"),
+    ("torch.nn.parameter", "Parameter"),
+    ("torch.storage", "UntypedStorage"),
+    ("torch.storage", "TypedStorage"),
+}
+
+
+class _Unpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) not in _ALLOWED:
+            raise pickle.UnpicklingError(f"verl's weight-sync message names {module}.{name}, which it never sends")
+        return super().find_class(module, name)
+
+
+def _loads(data: bytes) -> Any:
+    try:
+        return _Unpickler(io.BytesIO(data)).load()
+    except Exception as exc:
+        raise InstallError(f"a message from verl's sender could not be read ({type(exc).__name__}: {exc})") from None
+
+
+def open_bucket(descriptor: dict[str, Any], worker: Any = None) -> tuple[torch.Tensor, Any]:
+    """The engine side of the ``verl`` transport: the bucket this worker packed from verl's buffer, in-process."""
+    buffer = descriptor.get("buffer")
+    if not isinstance(buffer, torch.Tensor):
+        raise ValueError("a 'verl' bucket is packed by this worker from verl's sender; it cannot come from elsewhere")
+    return buffer, buffer
+
+
+if _TRANSPORT not in available_transports():
+    register_transport(_TRANSPORT, __name__)
+
+
+# ---------------------------------------------------------------------------------------------------- the install
+@dataclass
+class _Update:
+    """One verl sync into the worker's install session: opened at the first bucket where the engine knows its
+    checkpoint (each bucket then staged as it arrives), else at the last one, on what arrived."""
+
+    worker: Any
+    version: int
+    expected: ExpectedWeights | None
+    dtype: torch.dtype | None
+    update_id: str | None = None
+    index: int = 0
+    specs: dict[str, TensorSpec] = field(default_factory=dict)
+    pending: list[tuple[Bucket, torch.Tensor]] = field(default_factory=list)
+
+    @property
+    def session(self) -> Any:
+        return session_of(self.worker)
+
+    def stage(self, buffer: torch.Tensor, entries: list[tuple[str, torch.Size, torch.dtype, int]]) -> None:
+        """Check one verl bucket, pack it (cast to what the engine serves) and stage it."""
+        index, self.index = self.index, self.index + 1
+        ignored = self.expected.ignored if self.expected is not None else {}
+        wanted = [e for e in entries if e[0] not in ignored]
+        problems: list[Mismatch] = []
+        specs: dict[str, TensorSpec] = {}
+        for name, shape, dtype, offset in wanted:
+            spec = self._spec(name, tuple(shape), dtype)
+            if spec is None:
+                problems.append(Mismatch("unexpected", name, actual=f"{list(shape)} {dtype_to_str(dtype)}"))
+            elif tuple(spec.shape) != tuple(shape):
+                problems.append(Mismatch("shape", name, expected=str(list(spec.shape)), actual=str(list(shape))))
+            elif spec.torch_dtype.is_floating_point != dtype.is_floating_point or (
+                not dtype.is_floating_point and spec.torch_dtype != dtype
+            ):
+                problems.append(Mismatch("dtype", name, expected=spec.dtype, actual=dtype_to_str(dtype)))
+            elif name in self.specs or name in specs:
+                problems.append(Mismatch("manifest", name, actual="sent twice in one update"))
+            elif offset < 0 or offset + shape.numel() * dtype.itemsize > buffer.numel():
+                problems.append(Mismatch("manifest", name, actual=f"outside verl's {buffer.numel()}-byte buffer"))
+            else:
+                specs[name] = spec
+        if problems:
+            raise WeightManifestValidationError(problems, context=f"verl bucket {index} (refused before any write)")
+        if not specs:
+            return
+        bucket, packed = _pack(index, buffer, [(n, specs[n], s, d, o) for n, s, d, o in wanted])
+        self.specs.update(specs)
+        if self.update_id is None and self.expected is not None:
+            self._begin(self.expected.tensors)
+        if self.update_id is None:
+            self.pending.append((bucket, packed))
+        else:
+            self.session.stage(self.update_id, bucket.model_dump_json(), _descriptor(packed))
+
+    def commit(self) -> dict[str, int | str | float]:
+        """Validate (every tensor arrived) and install atomically; returns the session's summary."""
+        if not self.specs:
+            raise WeightManifestValidationError(
+                [Mismatch("manifest", "update", actual="verl sent no tensors")], context="verl update"
+            )
+        if self.update_id is None:
+            self._begin(self.specs)
+            assert self.update_id is not None
+            for bucket, packed in self.pending:
+                self.session.stage(self.update_id, bucket.model_dump_json(), _descriptor(packed))
+            self.pending.clear()
+        missing = [n for n in self.session.staging.current(self.update_id).missing()]
+        if missing:
+            assert self.expected is not None
+            spec = self.expected.tensors
+            raise WeightManifestValidationError(
+                [Mismatch("missing", n, expected=f"{list(spec[n].shape)} {spec[n].dtype}") for n in missing],
+                context="verl update (checked by the engine's worker before any write)",
+            )
+        update_id, self.update_id = self.update_id, None
+        summary: dict[str, int | str | float] = self.session.commit(update_id)
+        return summary
+
+    def abort(self) -> None:
+        self.pending.clear()
+        if self.update_id is not None:
+            update_id, self.update_id = self.update_id, None
+            self.session.abort(update_id)
+
+    def _spec(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> TensorSpec | None:
+        if self.expected is not None:
+            return self.expected.tensors.get(name)
+        cast = self.dtype is not None and dtype.is_floating_point
+        return TensorSpec(shape=shape, dtype=dtype_to_str(self.dtype if cast and self.dtype else dtype))
+
+    def _begin(self, specs: Any) -> None:
+        manifest = WeightUpdateManifest.from_specs(specs, weight_version=self.version, metadata={"sender": "verl"})
+        opened = self.session.begin(SessionOptions(), manifest)
+        self.update_id = str(opened["update_id"])
+
+
+def _pack(
+    index: int, buffer: torch.Tensor, entries: list[tuple[str, TensorSpec, torch.Size, torch.dtype, int]]
+) -> tuple[Bucket, torch.Tensor]:
+    """verl's tensors (each at its own offset of ``buffer``) copied into one fresh hotweights bucket, each at an
+    aligned offset, floating-point ones cast to the spec's dtype on the way (the copy verl's buffer needs anyway:
+    the sender overwrites it with the next bucket)."""
+    placed: list[BucketEntry] = []
+    end = 0
+    for name, spec, _, _, _ in entries:
+        offset = (end + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT
+        placed.append(BucketEntry(name=name, offset=offset, nbytes=spec.expected_nbytes))
+        end = offset + spec.expected_nbytes
+    packed = torch.empty(end, dtype=torch.uint8, device=buffer.device)
+    for entry, (_, spec, shape, dtype, offset) in zip(placed, entries, strict=True):
+        src = buffer[offset : offset + shape.numel() * dtype.itemsize].view(dtype).view(shape)
+        packed[entry.offset : entry.offset + entry.nbytes].view(spec.torch_dtype).view(shape).copy_(src)
+    return Bucket(index=index, nbytes=end, entries=tuple(placed)), packed
+
+
+def _descriptor(packed: torch.Tensor) -> dict[str, Any]:
+    return {"transport": _TRANSPORT, "nbytes": packed.numel(), "buffer": packed}
+
+
+# ---------------------------------------------------------------------------------------------------- verl's wire
+class _Buffer:
+    """verl's bucket buffer, mapped read-only: a shared-memory file of the sender's (never unlinked here unless the
+    sender is gone), or its CUDA IPC buffer."""
+
+    def __init__(self, meta: Any, use_shm: bool, device: torch.device | None) -> None:
+        self.path: Path | None = None
+        self._map: mmap.mmap | None = None
+        if use_shm:
+            if (
+                not isinstance(meta, dict)
+                or not isinstance(meta.get("name"), str)
+                or not isinstance(meta.get("size"), int)
+            ):
+                raise InstallError(f"verl's sender announced no shared-memory buffer (got {type(meta).__name__})")
+            if not SHM_NAME.fullmatch(meta["name"]):
+                raise InstallError(f"verl's shared-memory buffer is named {meta['name']!r}, not verl_weights_<hex>")
+            self.path = SHM_DIR / meta["name"]
+            fd = os.open(self.path, os.O_RDONLY)
+            try:
+                size = min(int(meta["size"]), os.fstat(fd).st_size)
+                self._map = mmap.mmap(fd, size, prot=mmap.PROT_READ) if size else None
+            finally:
+                os.close(fd)
+            with warnings.catch_warnings():  # read-only on purpose: this worker never writes into the sender's file
+                warnings.simplefilter("ignore", UserWarning)
+                self.tensor = (
+                    torch.frombuffer(self._map, dtype=torch.uint8)
+                    if self._map is not None
+                    else torch.empty(0, dtype=torch.uint8)
+                )
+        else:
+            self.tensor = _rebuild_ipc(meta, device)
+
+    def close(self, sender_gone: bool = False) -> None:
+        del self.tensor
+        if self._map is not None:
+            try:
+                self._map.close()
+            except BufferError:  # a view is still alive somewhere: the mapping goes with it
+                log.debug("hotweights: verl's buffer is still viewed; it is unmapped when the view is freed")
+            self._map = None
+        if sender_gone and self.path is not None:
+            self.path.unlink(missing_ok=True)
+
+
+def _rebuild_ipc(handle: Any, device: torch.device | None) -> torch.Tensor:
+    """A CUDA IPC buffer from verl's ``reduce_tensor`` handle, on this worker's device (as verl's ``rebuild_ipc``)."""
+    if not (isinstance(handle, tuple) and len(handle) == 2 and isinstance(handle[1], tuple) and len(handle[1]) > 6):
+        raise InstallError(f"verl's sender sent no CUDA IPC handle (got {type(handle).__name__})")
+    func, args = handle
+    args = list(args)
+    if device is not None and device.index is not None:
+        args[6] = device.index
+    tensor = func(*args)
+    if not isinstance(tensor, torch.Tensor):
+        raise InstallError("verl's CUDA IPC handle did not rebuild a tensor")
+    return tensor.view(torch.uint8).reshape(-1) if tensor.dtype != torch.uint8 else tensor
+
+
+def _entries(meta: Any) -> tuple[list[tuple[str, torch.Size, torch.dtype, int]], list[tuple[str, Any]]]:
+    """A bucket message's tensors in verl's buffer, and the ones sent apart by CUDA IPC handle."""
+    if not isinstance(meta, dict) or not isinstance(meta.get("bucket_meta"), dict):
+        raise InstallError(f"verl's sender sent a {type(meta).__name__} where a bucket was expected")
+    inside, apart = [], []
+    for name, m in meta["bucket_meta"].items():
+        shape, dtype, offset = m.get("shape"), m.get("dtype"), m.get("offset")
+        if not (isinstance(name, str) and isinstance(shape, torch.Size) and isinstance(dtype, torch.dtype)):
+            raise InstallError(f"verl's bucket describes {name!r} without a name, torch.Size shape and torch dtype")
+        if m.get("handle") is not None:
+            apart.append((name, m["handle"]))
+        elif isinstance(offset, int):
+            inside.append((name, shape, dtype, offset))
+        else:
+            raise InstallError(f"verl's bucket places {name!r} at no offset")
+    return inside, apart
+
+
+def _step(global_steps: Any) -> int:
+    if isinstance(global_steps, bool) or not isinstance(global_steps, int) or global_steps < 0:
+        raise ValueError(f"global_steps is the trainer's step, a non-negative int, not {global_steps!r}")
+    return global_steps
+
+
+def _timeout() -> float:
+    raw = os.environ.get(TIMEOUT_ENV, "")
+    try:
+        seconds = float(raw) if raw else DEFAULT_TIMEOUT_S
+    except ValueError:
+        raise ValueError(f"{TIMEOUT_ENV}={raw!r} is not a number of seconds") from None
+    if seconds <= 0:
+        raise ValueError(f"{TIMEOUT_ENV} must be positive, got {seconds}")
+    return seconds
+
+
+# ---------------------------------------------------------------------------------------------------- the extension
+class VerlReceiver(HotWeightsWorkerExtension):
+    """verl's ``update_weights_from_ipc``, received into hotweights' install session (mixed in before verl's own
+    extension by :data:`VerlWorkerExtension`)."""
+
+    @enveloped
+    def update_weights_from_ipc(
+        self,
+        peft_config: dict[str, Any] | None = None,
+        base_sync_done: bool = False,
+        use_shm: bool = False,
+        global_steps: int | None = None,
+        **unknown: Any,
+    ) -> dict[str, int | str | float]:
+        """Receive one weight sync from verl's ``BucketedWeightSender`` and install it atomically.
+
+        Every message is answered, whatever happens, so the sender returns; then a refusal or failure raises here
+        (the engine keeps serving what it served). Returns the install's summary with its ``weight_version``.
+
+        Raises:
+            WeightManifestValidationError: a tensor the engine does not serve, of another shape, or missing.
+            EngineNotSupportedError: a LoRA adapter sync, or an argument this verl version does not send.
+            HotWeightsTimeoutError: the sender sent nothing for :data:`TIMEOUT_ENV` seconds.
+        """
+        import zmq
+
+        worker: Any = self
+        refusal: BaseException | None = None
+        if unknown:
+            refusal = EngineNotSupportedError(
+                f"update_weights_from_ipc got {sorted(unknown)}, which hotweights' verl extension does not know: "
+                "use the verl version it was tested with (0.9) or remove those arguments"
+            )
+        elif peft_config and base_sync_done:
+            refusal = EngineNotSupportedError(
+                "verl's LoRA adapter sync is not supported by hotweights' verl extension yet: set "
+                "actor_rollout_ref.model.lora.merge=True (verl then sends the merged weights)"
+            )
+        version = int(attach.get(worker, "verl_version", 0)) + 1
+        timeout, expected = DEFAULT_TIMEOUT_S, None
+        try:  # nothing may stop the answers below: a problem found here is the update's refusal
+            if global_steps is not None:
+                version = _step(global_steps)
+            timeout = _timeout()
+            expected = _expected(worker)
+        except Exception as exc:
+            refusal = refusal or exc
+        socket: Any = zmq.Context.instance().socket(zmq.REP)
+        socket.setsockopt(zmq.RCVTIMEO, int(timeout * 1000))
+        socket.setsockopt(zmq.LINGER, 0)
+        socket.connect(self._get_zmq_handle())  # type: ignore[attr-defined]
+        update = _Update(worker, version, expected, _engine_dtype(worker))
+        device = getattr(worker, "device", None)
+        buffer: _Buffer | None = None
+        gone = False
+        result: dict[str, int | str | float] = {}
+
+        def receive() -> Any:
+            try:
+                return socket.recv()
+            except zmq.Again:
+                raise HotWeightsTimeoutError(
+                    f"verl's sender sent nothing for {timeout:g} s ({TIMEOUT_ENV}): the update was dropped, the "
+                    "engine serves what it served"
+                ) from None
+
+        try:
+            data = receive()
+            if refusal is None:
+                try:
+                    buffer = _Buffer(_loads(data), use_shm, device)
+                except Exception as exc:
+                    refusal = exc
+            socket.send(b"")
+            while True:
+                data = receive()  # every message is answered below, whatever it holds
+                is_last = False
+                try:
+                    message = _loads(data)
+                    is_last = isinstance(message, dict) and bool(message.get("is_last"))
+                    if refusal is None:
+                        inside, apart = _entries(message)
+                        assert buffer is not None
+                        for name, handle in apart:  # a tensor larger than verl's bucket, by its own IPC handle
+                            alone = _rebuild_ipc(handle, device)
+                            update.stage(alone, [(name, _shape_of(handle), _dtype_of(handle), 0)])
+                        if inside:
+                            update.stage(buffer.tensor, inside)
+                        if is_last:
+                            result = update.commit()
+                except Exception as exc:
+                    refusal = refusal or exc
+                    update.abort()
+                if is_last:
+                    break
+                socket.send(b"")
+            if buffer is not None:
+                buffer.close()
+                buffer = None
+            socket.send(b"")  # the last answer, once verl's buffer is released (as verl's own receiver does)
+        except HotWeightsTimeoutError:
+            gone = True
+            raise
+        finally:
+            update.abort()
+            if buffer is not None:
+                buffer.close(sender_gone=gone)
+            socket.close(linger=0)
+        if refusal is not None:
+            raise refusal
+        attach.put(worker, "verl_version", version)
+        return {**result, "weight_version": version}
+
+    def hotweights_verl_version(self) -> int | None:
+        """The version of the last verl sync this worker installed (None: none yet)."""
+        found = attach.get(self, "verl_version")
+        return int(found) if found is not None else None
+
+
+def _shape_of(handle: Any) -> torch.Size:
+    size = handle[1][1]
+    return size if isinstance(size, torch.Size) else torch.Size(size)
+
+
+def _dtype_of(handle: Any) -> torch.dtype:
+    dtype = handle[1][5]
+    if not isinstance(dtype, torch.dtype):
+        raise InstallError("verl's CUDA IPC handle names no dtype")
+    return dtype
+
+
+def _expected(worker: Any) -> ExpectedWeights | None:
+    """What the engine serves (its checkpoint's specs in its dtype), read once per worker; None when it cannot
+    find its checkpoint (then the update is checked as a whole at the last bucket)."""
+    from hotweights.vllm.expected import expected_from_config
+
+    config = getattr(worker, "vllm_config", None)
+    if config is None:
+        return None
+    found: ExpectedWeights | None = attach.value(
+        worker, "verl_expected", lambda: expected_from_config(config.model_config, getattr(config, "load_config", None))
+    )
+    return found
+
+
+def _engine_dtype(worker: Any) -> torch.dtype | None:
+    dtype = getattr(getattr(getattr(worker, "vllm_config", None), "model_config", None), "dtype", None)
+    return dtype if isinstance(dtype, torch.dtype) else None
+
+
+@functools.cache
+def _extension() -> type:
+    try:
+        from verl.workers.rollout.vllm_rollout.utils import vLLMColocateWorkerExtension
+    except ImportError as exc:
+        raise ImportError(
+            f"hotweights.integrations.verl.VerlWorkerExtension subclasses verl's vLLMColocateWorkerExtension, which "
+            f"cannot be imported here ({exc}): install verl (tested: verl==0.9.1) in the engine's environment"
+        ) from exc
+    return type(
+        "VerlWorkerExtension",
+        (VerlReceiver, vLLMColocateWorkerExtension),
+        {"__module__": __name__, "__doc__": "verl's worker extension, its weight sync through hotweights."},
+    )
+
+
+def __getattr__(name: str) -> Any:
+    if name == "VerlWorkerExtension":
+        return _extension()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
