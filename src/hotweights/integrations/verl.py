@@ -48,6 +48,7 @@ from hotweights.core.errors import (
     WeightManifestValidationError,
 )
 from hotweights.core.manifest import ExpectedWeights, TensorSpec, WeightUpdateManifest, dtype_to_str
+from hotweights.core.names import to_checkpoint
 from hotweights.transports import available_transports, register_transport
 from hotweights.vllm.worker.extension import HotWeightsWorkerExtension
 from hotweights.vllm.worker.session import SessionOptions, session_of
@@ -127,31 +128,43 @@ class _Update:
     def stage(self, buffer: torch.Tensor, entries: list[tuple[str, torch.Size, torch.dtype, int]]) -> None:
         """Check one verl bucket, pack it (cast to what the engine serves) and stage it."""
         index, self.index = self.index, self.index + 1
-        ignored = self.expected.ignored if self.expected is not None else {}
-        wanted = [e for e in entries if e[0] not in ignored]
         problems: list[Mismatch] = []
+        items: list[tuple[str, torch.Tensor]] = []
+        for name, shape, dtype, offset in entries:
+            nbytes = shape.numel() * dtype.itemsize
+            if offset < 0 or offset + nbytes > buffer.numel():
+                problems.append(Mismatch("manifest", name, actual=f"outside verl's {buffer.numel()}-byte buffer"))
+            else:
+                items.append((name, buffer[offset : offset + nbytes].view(dtype).view(shape)))
+        if not problems and self.expected is not None:  # transformers 5's in-memory names (fused experts), mapped
+            e = self.expected
+            items, _ = to_checkpoint(items, e.tensors, e.model_type, architectures=e.architectures)
+        ignored = self.expected.ignored if self.expected is not None else {}
         specs: dict[str, TensorSpec] = {}
-        for name, shape, dtype, offset in wanted:
-            spec = self._spec(name, tuple(shape), dtype)
+        wanted: list[tuple[str, torch.Tensor]] = []
+        for name, tensor in items:
+            if name in ignored:
+                continue
+            sent, dtype = tuple(tensor.shape), tensor.dtype
+            spec = self._spec(name, sent, dtype)
             if spec is None:
-                problems.append(Mismatch("unexpected", name, actual=f"{list(shape)} {dtype_to_str(dtype)}"))
-            elif tuple(spec.shape) != tuple(shape):
-                problems.append(Mismatch("shape", name, expected=str(list(spec.shape)), actual=str(list(shape))))
+                problems.append(Mismatch("unexpected", name, actual=f"{list(sent)} {dtype_to_str(dtype)}"))
+            elif tuple(spec.shape) != sent:
+                problems.append(Mismatch("shape", name, expected=str(list(spec.shape)), actual=str(list(sent))))
             elif spec.torch_dtype.is_floating_point != dtype.is_floating_point or (
                 not dtype.is_floating_point and spec.torch_dtype != dtype
             ):
                 problems.append(Mismatch("dtype", name, expected=spec.dtype, actual=dtype_to_str(dtype)))
             elif name in self.specs or name in specs:
                 problems.append(Mismatch("manifest", name, actual="sent twice in one update"))
-            elif offset < 0 or offset + shape.numel() * dtype.itemsize > buffer.numel():
-                problems.append(Mismatch("manifest", name, actual=f"outside verl's {buffer.numel()}-byte buffer"))
             else:
                 specs[name] = spec
+                wanted.append((name, tensor))
         if problems:
             raise WeightManifestValidationError(problems, context=f"verl bucket {index} (refused before any write)")
         if not specs:
             return
-        bucket, packed = _pack(index, buffer, [(n, specs[n], s, d, o) for n, s, d, o in wanted])
+        bucket, packed = _pack(index, wanted, specs, buffer.device)
         self.specs.update(specs)
         if self.update_id is None and self.expected is not None:
             self._begin(self.expected.tensors)
@@ -203,21 +216,21 @@ class _Update:
 
 
 def _pack(
-    index: int, buffer: torch.Tensor, entries: list[tuple[str, TensorSpec, torch.Size, torch.dtype, int]]
+    index: int, items: list[tuple[str, torch.Tensor]], specs: dict[str, TensorSpec], device: torch.device
 ) -> tuple[Bucket, torch.Tensor]:
-    """verl's tensors (each at its own offset of ``buffer``) copied into one fresh hotweights bucket, each at an
-    aligned offset, floating-point ones cast to the spec's dtype on the way (the copy verl's buffer needs anyway:
-    the sender overwrites it with the next bucket)."""
+    """verl's tensors (views of its buffer) copied into one fresh hotweights bucket, each at an aligned offset,
+    floating-point ones cast to the spec's dtype on the way (the copy verl's buffer needs anyway: the sender
+    overwrites it with the next bucket)."""
     placed: list[BucketEntry] = []
     end = 0
-    for name, spec, _, _, _ in entries:
+    for name, _ in items:
         offset = (end + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT
-        placed.append(BucketEntry(name=name, offset=offset, nbytes=spec.expected_nbytes))
-        end = offset + spec.expected_nbytes
-    packed = torch.empty(end, dtype=torch.uint8, device=buffer.device)
-    for entry, (_, spec, shape, dtype, offset) in zip(placed, entries, strict=True):
-        src = buffer[offset : offset + shape.numel() * dtype.itemsize].view(dtype).view(shape)
-        packed[entry.offset : entry.offset + entry.nbytes].view(spec.torch_dtype).view(shape).copy_(src)
+        placed.append(BucketEntry(name=name, offset=offset, nbytes=specs[name].expected_nbytes))
+        end = offset + specs[name].expected_nbytes
+    packed = torch.empty(end, dtype=torch.uint8, device=device)
+    for entry, (name, tensor) in zip(placed, items, strict=True):
+        dst = packed[entry.offset : entry.offset + entry.nbytes].view(specs[name].torch_dtype).view(tensor.shape)
+        dst.copy_(tensor)
     return Bucket(index=index, nbytes=end, entries=tuple(placed)), packed
 
 
