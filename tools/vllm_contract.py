@@ -712,6 +712,45 @@ CONTRACT: tuple[Entry, ...] = (
         "lazy registration of the 'hotweights' backend",
         args=("name", "module_path_or_cls", "class_name"),
     ),
+    # --- the trainer side of vLLM's weight-transfer API (vllm/trainer_backend.py); the plugin checks for it first
+    _e(
+        _WT_FACTORY,
+        "WeightTransferTrainerFactory.register_engine",
+        "method",
+        "vllm_plugin.register, trainer_backend.register",
+        "registration of the trainer-side 'hotweights' backend",
+        args=("name", "module_path_or_cls", "class_name"),
+        optional=True,
+    ),
+    _e(
+        _WT_FACTORY,
+        "WeightTransferTrainerFactory._registry",
+        "attribute",
+        "vllm_plugin.register",
+        "registered once",
+        optional=True,
+    ),
+    _e(_WT, "TrainerInitInfo", "class", "trainer_backend.HotWeightsTrainerInitInfo", "its base", optional=True),
+    _e(
+        _WT,
+        "TrainerWeightTransferEngine",
+        "abstracts",
+        "trainer_backend.HotWeightsTrainerEngine",
+        "every abstract method is one the trainer engine implements",
+        kwargs=("trainer_init", "send_weights"),
+        optional=True,
+    ),
+    *(
+        _e(
+            _WT,
+            f"ParamMeta.{a}",
+            "attribute",
+            "trainer_backend.send_weights",
+            "the manifest from metadata()",
+            optional=True,
+        )
+        for a in ("name", "dtype", "shape")
+    ),
     *(
         _e(_WORKER, f"Worker.{m}", "method", "adapters.native", "the native flow, by collective_rpc", kwargs=k)
         for m, k in (

@@ -393,11 +393,12 @@ def test_a_request_added_on_one_thread_and_stepped_on_another_leaves_no_hold(
 
 
 def test_plain_llm_nan_and_inf_refused_before_the_reload(plain: tuple[Any, TinyCheckpoint, TinyCheckpoint]) -> None:
-    llm, _, b = plain
+    llm, a, b = plain
     version = hotweights.adapter_for(llm).active_weight_version or 0
     before, recorded = greedy_vllm(llm), llm.llm_engine.get_weight_version()
-    assert before != b.fresh  # the install would change the output
-    sd, named = poisoned(b.state_dict())
+    other = b if before != b.fresh else a  # the checkpoint not served: installing it would change the output
+    assert before != other.fresh
+    sd, named = poisoned(other.state_dict())
     with pytest.raises(NonFiniteWeightsError) as info:
         hotweights.install(llm, sd, weight_version=version + 1)
     assert refused_as(info.value) == named

@@ -3,6 +3,7 @@ registered through the ``vllm.general_plugins`` entry point, on one real multipr
 
 from __future__ import annotations
 
+import copy
 import os
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -118,3 +119,62 @@ def test_interrupted_update_keeps_previous_weights(native: Native) -> None:
 def test_kept_shm_segments_are_refused(native: Native) -> None:
     with pytest.raises(ValueError, match="kept shm segments are released through hotweights' worker extension"):
         VLLMWeightTransferAdapter(native.llm, transport=make_transport("shm", keep_segments=True))
+
+
+class _LLMClient:
+    """vLLM's ``VLLMWeightSyncClient`` protocol over an ``LLM`` in this process (vLLM ships HTTP and Ray ones), plus
+    the prefix-cache reset that vLLM's own clients lack."""
+
+    def __init__(self, llm: Any) -> None:
+        self.llm = llm
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        self.llm.init_weight_transfer_engine({"init_info": init_info})
+
+    def start_weight_update(self) -> None:
+        self.llm.start_weight_update()
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        self.llm.update_weights({"update_info": update_info})
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self.llm.finish_weight_update(weight_version)
+
+    def reset_prefix_cache(self) -> None:
+        self.llm.reset_prefix_cache()
+
+
+def test_vllms_trainer_side_api_selects_hotweights_by_its_init_info(native: Native) -> None:
+    """A trainer written against vLLM's trainer API (``WeightTransferTrainerFactory.trainer_init`` +
+    ``send_weights``) picks the hotweights backend by its init info alone: two rounds from one module whose weights
+    change, each equal to a fresh engine, the version recorded; a refused round raises typed and writes nothing."""
+    from vllm.distributed.weight_transfer.base import ModuleSource
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    from hotweights import NonFiniteWeightsError, WeightManifestValidationError
+    from hotweights.vllm.trainer_backend import HotWeightsTrainerEngine, HotWeightsTrainerInitInfo
+
+    assert native.a.fresh != native.b.fresh
+    policy = copy.deepcopy(native.a.model)
+    info = HotWeightsTrainerInitInfo(rank=0, bucket_bytes=SMALL_BUCKET, first_version=native.version + 1)
+    sender = WeightTransferTrainerFactory.trainer_init(info, client=_LLMClient(native.llm), source=ModuleSource(policy))
+    assert isinstance(sender, HotWeightsTrainerEngine)
+    for ckpt in (native.b, native.a):
+        policy.load_state_dict(ckpt.state_dict())  # the optimizer's step
+        sender.send_weights()
+        native.version += 1
+        assert greedy_vllm(native.llm) == ckpt.fresh
+        assert native.llm.llm_engine.get_weight_version() == str(native.version)
+    with torch.no_grad():
+        policy.model.norm.weight.fill_(float("nan"))
+    with pytest.raises(NonFiniteWeightsError, match=r"model\.norm\.weight"):
+        sender.send_weights(weight_version=native.version + 1)
+    with torch.no_grad():
+        policy.model.norm.weight.copy_(native.b.state_dict()["model.norm.weight"])
+        policy.model.embed_tokens.weight = torch.nn.Parameter(policy.model.embed_tokens.weight[:-1].clone())
+    with pytest.raises(WeightManifestValidationError, match=r"model\.embed_tokens\.weight"):
+        sender.send_weights(weight_version=native.version + 1)
+    assert greedy_vllm(native.llm) == native.a.fresh  # refused twice: A serves, at its version
+    assert native.llm.llm_engine.get_weight_version() == str(native.version)
+    sender.shutdown()
+    assert our_shm() == []

@@ -18,9 +18,9 @@ import torch
 from hotweights.adapters._vllm import EngineOptions, VLLMEngineAdapter
 from hotweights.adapters.contract import InstallCall, Items
 from hotweights.core import two_phase
-from hotweights.core.cast import CastItems
-from hotweights.core.errors import EngineNotSupportedError, Mismatch, NonFiniteWeightsError
-from hotweights.core.finite import nonfinite
+from hotweights.core.cast import CastItems, uncast
+from hotweights.core.errors import EngineNotSupportedError
+from hotweights.core.finite import check_finite
 from hotweights.core.manifest import _ST_DTYPES, WeightUpdateManifest, dtype_from_str
 from hotweights.handles import EngineHandle
 from hotweights.transports.shm import SHM_DIR, sweep_stale
@@ -77,9 +77,9 @@ class VLLMWeightsPathAdapter(VLLMEngineAdapter):
         directory = Path(tempfile.mkdtemp(prefix=f"hotweights-{os.getpid()}-ckpt-", dir=SHM_DIR))
         try:
             with timer("pack"):
-                found = _write_safetensors(directory / CHECKPOINT_FILE, items, check=not timer.allow_nonfinite)
-            if found:  # before the engine reads a byte of it
-                raise NonFiniteWeightsError(found, f"update {manifest.update_id} (v{manifest.weight_version})")
+                if not timer.allow_nonfinite:  # vLLM's reload has no hook: checked here, on the trainer's device
+                    check_finite(uncast(items), f"update {manifest.update_id} (v{manifest.weight_version})")
+                _write_safetensors(directory / CHECKPOINT_FILE, items)
             two_phase.commit_point(
                 timer.member
             )  # inside a fleet: every replica's checkpoint written before any reloads
@@ -110,10 +110,9 @@ class VLLMWeightsPathAdapter(VLLMEngineAdapter):
             )
 
 
-def _write_safetensors(path: Path, items: Items, *, check: bool = False) -> list[Mismatch]:
+def _write_safetensors(path: Path, items: Items) -> None:
     """``items`` as one safetensors file, written tensor by tensor: a tensor (cast, moved to the host or made
-    contiguous where needed) is dropped once its bytes are written, so the update is never held twice. ``check``:
-    each tensor is checked for NaN and Inf as it is written; returns what was found."""
+    contiguous where needed) is dropped once its bytes are written, so the update is never held twice."""
     header: dict[str, dict[str, Any]] = {}
     offset = 0
     for name, tensor in _described(items):
@@ -126,16 +125,12 @@ def _write_safetensors(path: Path, items: Items, *, check: bool = False) -> list
         offset += n
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)  # the data starts 8-byte aligned
-    found: list[Mismatch] = []
     with open(path, "wb") as f:
         f.write(struct.pack("<Q", len(blob)) + blob)
-        for name, tensor in items:
-            if check:
-                found += nonfinite([(name, tensor)])
+        for _, tensor in items:
             host = tensor.detach().to("cpu").contiguous()
             if host.numel():
                 f.write(memoryview(host.reshape(-1).view(torch.uint8).numpy()))  # type: ignore[arg-type]
-    return found
 
 
 def _described(items: Items) -> list[tuple[str, torch.Tensor]]:

@@ -1,6 +1,6 @@
 """vLLM general plugin (entry point ``vllm.general_plugins``), run in every vLLM process: mends vLLM's weight
 reload where it would serve wrong output (:data:`~hotweights.vllm.compat.VLLM_FIXES`) and registers the
-``"hotweights"`` weight-transfer backend. Safe to call more than once."""
+``"hotweights"`` weight-transfer backend, engine side and trainer side. Safe to call more than once."""
 
 from __future__ import annotations
 
@@ -22,4 +22,12 @@ def register() -> None:
     if BACKEND not in WeightTransferEngineFactory._registry:
         WeightTransferEngineFactory.register_engine(
             BACKEND, "hotweights.vllm.worker.transfer_backend", "HotWeightsTransferEngine"
+        )
+    try:
+        from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+    except ImportError:  # a vLLM without the trainer-side registry
+        return
+    if BACKEND not in WeightTransferTrainerFactory._registry:
+        WeightTransferTrainerFactory.register_engine(
+            BACKEND, "hotweights.vllm.trainer_backend", "HotWeightsTrainerEngine"
         )
