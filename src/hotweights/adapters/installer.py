@@ -23,7 +23,7 @@ from hotweights.adapters.options import CommitMode, InstallerOptions, InstallMet
 from hotweights.adapters.wires import Wire
 from hotweights.core import envelope, two_phase
 from hotweights.core.buckets import Bucket, default_bucket_bytes, plan_buckets
-from hotweights.core.cast import item_names, lazy_mapping
+from hotweights.core.cast import BucketSource, item_names, lazy_mapping
 from hotweights.core.delta import DeltaBase, EncodedDelta, StagedDelta
 from hotweights.core.errors import DeltaBaseMismatchError, EngineNotSupportedError, InstallError
 from hotweights.core.manifest import WeightUpdateManifest
@@ -111,7 +111,7 @@ class Installer(VLLMEngineAdapter):
         self.options = options or InstallerOptions()
         self.wire = wire
         self.transport = make_transport(transport) if isinstance(transport, str) else transport
-        self.options.validate(self.abilities, keeps_segments=bool(getattr(self.transport, "keep_segments", False)))
+        self.options.validate(self.abilities, keeps_segments=self.transport.keeps_segments)
         super().__init__(engine, **common)
         self.transport.connect(self)
 
@@ -259,15 +259,15 @@ class Installer(VLLMEngineAdapter):
         streaming = options.commit == "streaming" and options.delta is None
         member = timer.member  # inside a fleet: stop between staged and written (see core.two_phase)
         size = member.bucket_bytes if member and self.bucket_size else self.bucket_size
-        split = getattr(tensors, "splits", None)  # a sharded state dict: tensors over a bucket travel in parts
+        tensors = BucketSource.of(tensors)
+        split = tensors.split  # a sharded state dict: tensors over a bucket travel in parts
         ranks = self._rank_writes(tensors, options, member)
         if split is not None and ranks is None and size and not self.bucket_bytes:
             size = min(size, bucket_default(self.transport.preferred_bucket_bytes, self.install_method, gathered=True))
         limit = size or (
             default_bucket_bytes(self.transport.preferred_bucket_bytes) if ranks is not None else sys.maxsize
         )
-        if callable(bound := getattr(tensors, "parts_at_most", None)):
-            bound(limit)  # a sharded state dict: views of a tensor over a bucket are read from parts of it
+        tensors.parts_at_most(limit)  # a sharded state dict: views of a tensor over a bucket are read from parts of it
         if ranks is not None and sent is not None:  # every rank writes its own rows
             plan = ranks.plan(sent, limit)
         elif sent is not None:
@@ -306,7 +306,7 @@ class Installer(VLLMEngineAdapter):
     def _send(
         self,
         sent: WeightUpdateManifest,
-        tensors: Any,
+        tensors: BucketSource,
         plan: list[Bucket],
         timer: InstallCall,
         streaming: bool,
@@ -324,11 +324,12 @@ class Installer(VLLMEngineAdapter):
             return stage
 
         with timer("transfer"), bucket_progress(plan, f"{self.label} v{sent.weight_version}") as buckets:
-            if ranks is not None:
+            writable = self.transport.rank_writable()
+            if ranks is not None and writable is not None:
                 ranks.transfer(
                     list(buckets),
                     lambda b: self.transport.send(b, tensors, deliver(b)),
-                    self.transport.written,  # type: ignore[attr-defined]
+                    writable,
                     lambda b, descriptor: deliver(b)(descriptor),
                 )
                 return
@@ -341,26 +342,26 @@ class Installer(VLLMEngineAdapter):
 
             send_pipelined(plan, send, stage, self._in_flight(tensors), done=buckets)
 
-    def _in_flight(self, tensors: Any) -> int:
+    def _in_flight(self, tensors: BucketSource) -> int:
         """Buckets packed while earlier ones are staged: the installer's ``buckets_in_flight``, else the
         transport's; one where the transport cannot overlap its sends or where reading the tensors is a collective
         (a sharded state dict's gathers run in order on every rank)."""
         depth = self.options.buckets_in_flight or self.transport.buckets_in_flight
-        if not self.transport.overlaps or getattr(tensors, "reads_in_order", False):
+        if not self.transport.overlaps or tensors.reads_in_order:
             return 1
         return depth
 
-    def _rank_writes(self, tensors: Any, options: SessionOptions, member: Any) -> Any:
+    def _rank_writes(self, tensors: BucketSource, options: SessionOptions, member: Any) -> Any:
         """The leader's side of rank-parallel writes, where they apply: a sharded state dict whose ranks share this
-        host, the shm transport writing a file per bucket (the ranks write into it), one engine (not a fleet), an
-        atomic full install; ``HOTWEIGHTS_RANK_WRITES=0`` turns them off (the leader gathers every tensor)."""
+        host, a transport whose bucket files the ranks can write into (:meth:`WeightTransport.rank_writable`: shm
+        writing a file per bucket), one engine (not a fleet), an atomic full install; ``HOTWEIGHTS_RANK_WRITES=0``
+        turns them off (the leader gathers every tensor)."""
         if os.environ.get("HOTWEIGHTS_RANK_WRITES", "1").strip() == "0":
             return None
-        make = getattr(tensors, "rank_writes", None)
-        shm = self.transport.name == "shm" and not getattr(self.transport, "keep_segments", False)
-        if not callable(make) or not shm or member is not None or options.commit != "atomic" or options.delta:
+        writable = self.transport.rank_writable() is not None
+        if not writable or member is not None or options.commit != "atomic" or options.delta:
             return None
-        return make()
+        return tensors.rank_writes()
 
     def _one_call(
         self,

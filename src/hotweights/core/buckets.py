@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
@@ -19,6 +19,7 @@ __all__ = [
     "ALIGNMENT",
     "Bucket",
     "BucketEntry",
+    "ReadsRows",
     "Packer",
     "bucket_problems",
     "byte_views",
@@ -217,13 +218,18 @@ def pack_into(buffer: torch.Tensor, bucket: Bucket, tensors: Mapping[str, torch.
         dst.copy_(src)
 
 
+@runtime_checkable
+class ReadsRows(Protocol):
+    """A mapping that reads rows of a tensor alone (a sharded state dict gathers only those rows)."""
+
+    def rows(self, name: str, start: int, stop: int) -> torch.Tensor: ...
+
+
 def rows_of(tensors: Mapping[str, torch.Tensor], name: str, start: int, stop: int) -> torch.Tensor:
-    """Rows ``[start, stop)`` of ``tensors[name]``: read alone where the mapping can (``tensors.rows``, a sharded
-    state dict gathering only those rows), else sliced from the whole tensor."""
-    read = getattr(tensors, "rows", None)
-    if callable(read):
-        part: torch.Tensor = read(name, start, stop)
-        return part
+    """Rows ``[start, stop)`` of ``tensors[name]``: read alone where the mapping can (:class:`ReadsRows`, e.g. a
+    :class:`~hotweights.core.cast.BucketSource` over a sharded state dict), else sliced from the whole tensor."""
+    if isinstance(tensors, ReadsRows):
+        return tensors.rows(name, start, stop)
     return tensors[name][start:stop]
 
 

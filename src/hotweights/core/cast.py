@@ -16,7 +16,18 @@ import torch
 
 from hotweights.core.manifest import ExpectedWeights, TensorSpec, WeightUpdateManifest, dtype_to_str
 
-__all__ = ["Cast", "CastItems", "Load", "Parts", "cast_targets", "item_names", "items_of", "lazy_mapping"]
+__all__ = [
+    "BucketSource",
+    "Cast",
+    "CastItems",
+    "Load",
+    "Parts",
+    "cast_targets",
+    "item_names",
+    "items_of",
+    "lazy_mapping",
+    "uncast",
+]
 
 Cast = torch.dtype | Literal["engine"]
 """A dtype every floating-point tensor is cast to, or ``"engine"``: the dtype the engine expects for each."""
@@ -32,6 +43,12 @@ class Parts(Protocol):
 
     def load_rows(self, tensor: torch.Tensor, start: int, stop: int) -> torch.Tensor:
         """Rows ``[start, stop)`` of ``tensor``'s data."""
+
+    def parts_at_most(self, limit: int) -> None:
+        """The bucket size: views of large tensors are then read from parts of about ``limit`` bytes."""
+
+    def rank_writes(self) -> Any:
+        """The leader's side of rank-parallel writes (:mod:`hotweights.core.rank_writes`), or None."""
 
 
 """``load(name, tensor)``: the data behind a placeholder (e.g. a sharded tensor gathered when read), or ``tensor``."""
@@ -155,12 +172,27 @@ class CastItems(Sequence[tuple[str, torch.Tensor]]):
         return sum(t.nbytes for n, t in self.source if n in self.targets)
 
 
-class _CastMapping(Mapping[str, torch.Tensor]):
-    """Name -> tensor over :class:`CastItems`; each read casts (the transports read a bucket's tensors)."""
+class BucketSource(Mapping[str, torch.Tensor]):
+    """What an install's buckets are read from: name -> tensor over :class:`CastItems` (each read casts, or gathers
+    a sharded tensor) or plain pairs, and what the source can do, declared here: :attr:`split` (tensors that may
+    travel in parts), :attr:`reads_in_order` (reads are collectives), :meth:`parts_at_most`, :meth:`rank_writes`."""
 
-    def __init__(self, items: CastItems) -> None:
-        self._items = items
-        self._index = {name: i for i, (name, _) in enumerate(items.source)}
+    def __init__(self, items: Sequence[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor]) -> None:
+        if isinstance(items, Mapping):
+            items = list(items.items())
+        self._plain = None if isinstance(items, CastItems) else items
+        self._items = items if isinstance(items, CastItems) else CastItems(items, {})
+        self._index = {name: i for i, (name, _) in enumerate(self._items.source)}
+
+    @classmethod
+    def of(cls, tensors: Sequence[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor]) -> BucketSource:
+        """``tensors`` as a bucket source (itself when it is one)."""
+        return tensors if isinstance(tensors, BucketSource) else cls(tensors)
+
+    @property
+    def split(self) -> Callable[[str], bool] | None:
+        """:meth:`splits` where some tensors may travel in parts (a sharded state dict), else None."""
+        return self.splits if self._items.parts is not None else None
 
     def __getitem__(self, name: str) -> torch.Tensor:
         return self._items[self._index[name]][1]
@@ -176,9 +208,8 @@ class _CastMapping(Mapping[str, torch.Tensor]):
     def parts_at_most(self, limit: int) -> None:
         """Tell a source that gathers what it reads (a sharded state dict) the bucket size: it then reads views of
         large tensors from parts of about ``limit`` bytes (see ``Gatherer.parts_at_most``)."""
-        bound = getattr(self._items.parts, "parts_at_most", None)
-        if callable(bound):
-            bound(limit)
+        if self._items.parts is not None:
+            self._items.parts.parts_at_most(limit)
 
     @property
     def reads_in_order(self) -> bool:
@@ -189,8 +220,7 @@ class _CastMapping(Mapping[str, torch.Tensor]):
     def rank_writes(self) -> Any:
         """Where every rank of a sharded install can write its own rows (:mod:`hotweights.core.rank_writes`): the
         leader's side of it (each rank casts what it writes, as the manifest says); None otherwise."""
-        make = getattr(self._items.parts, "rank_writes", None)
-        return make() if callable(make) else None
+        return self._items.parts.rank_writes() if self._items.parts is not None else None
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._index)
@@ -201,12 +231,19 @@ class _CastMapping(Mapping[str, torch.Tensor]):
 
 def lazy_mapping(items: Sequence[tuple[str, torch.Tensor]]) -> Mapping[str, torch.Tensor]:
     """``dict(items)``, except that :class:`CastItems` stay lazy (a read casts one tensor)."""
-    return _CastMapping(items) if isinstance(items, CastItems) else dict(items)
+    return BucketSource(items) if isinstance(items, CastItems) else dict(items)
 
 
 def items_of(tensors: Mapping[str, torch.Tensor]) -> Sequence[tuple[str, torch.Tensor]]:
     """The (name, tensor) pairs behind ``tensors`` (a :func:`lazy_mapping`), still lazy where they cast."""
-    return tensors._items if isinstance(tensors, _CastMapping) else list(tensors.items())
+    if isinstance(tensors, BucketSource):
+        return tensors._plain if tensors._plain is not None else tensors._items
+    return list(tensors.items())
+
+
+def uncast(items: Sequence[tuple[str, torch.Tensor]]) -> Sequence[tuple[str, torch.Tensor]]:
+    """The caller's own (name, tensor) pairs behind ``items``, as given (:class:`CastItems`: before their cast)."""
+    return items.source if isinstance(items, CastItems) else items
 
 
 def item_names(items: Sequence[tuple[str, torch.Tensor]]) -> list[str]:

@@ -474,6 +474,7 @@ class Transport(WeightTransport):
         sweep_stale()
         self.keep_segments = keep_segments is True
         """True: segments stay mapped in the workers between installs (``keep_segments=True``)."""
+        self.keeps_segments = self.keep_segments
         self.shareable = not self.keep_segments  # one file, mapped by every engine on this host
         self._kept: dict[int, _Segment] = {}  # bucket index (or 0 for all) -> its segment, reused by every install
         self._engine: EngineLink | None = None
@@ -538,6 +539,11 @@ class Transport(WeightTransport):
         with self.written(bucket) as file:
             _fill(file.fd, file.size, bucket, tensors)
             stage(file.descriptor)
+
+    def rank_writable(self) -> Callable[[Bucket], contextlib.AbstractContextManager[BucketFile]] | None:
+        """:meth:`written`: the ranks of a sharded install write their rows into each bucket's file (not with
+        ``keep_segments=True``, where this transport writes its one kept segment itself)."""
+        return None if self.keep_segments else self.written
 
     @contextlib.contextmanager
     def written(self, bucket: Bucket) -> Iterator[BucketFile]:

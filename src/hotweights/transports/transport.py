@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager
 from typing import Any, ClassVar, Protocol, TypeVar, runtime_checkable
 
 import torch
@@ -69,6 +70,15 @@ class WeightTransport(ABC):
 
     #: Buckets packed while earlier ones are staged (:mod:`hotweights.core.pipeline`), where :attr:`overlaps`.
     buckets_in_flight: ClassVar[int] = 2
+    #: Whether each bucket's memory stays mapped in the workers between installs (released through the worker
+    #: extension's ``release_segments``, so only paths that reach it may use such a transport).
+    keeps_segments: bool = False
+
+    def rank_writable(self) -> Callable[[Bucket], AbstractContextManager[Any]] | None:
+        """Where the ranks of a sharded install on this host can write their own rows of a bucket: ``written(bucket)``,
+        a context manager over a file every rank opens by its path, staged with its ``descriptor`` inside the block
+        (:mod:`hotweights.core.rank_writes`). None (default): this transport packs every bucket itself."""
+        return None
 
     @property
     def overlaps(self) -> bool:

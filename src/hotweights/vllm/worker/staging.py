@@ -20,6 +20,7 @@ import pydantic
 import torch
 
 from hotweights.core.buckets import Bucket, bucket_problems, unpack, unpack_parts
+from hotweights.core.cast import uncast
 from hotweights.core.finite import check_finite
 from hotweights.core.manifest import WeightUpdateManifest
 from hotweights.transports import engine_side
@@ -169,7 +170,7 @@ class StagingArea:
         if names != list(session.manifest.tensors):
             raise ValueError(f"update {update_id}: the tensors staged by reference are not the manifest's")
         if session.check_finite:  # a cast keeps NaN and Inf: the caller's tensors tell
-            check_finite(getattr(tensors, "source", tensors), _checked_by_worker(session, "every tensor"))
+            check_finite(uncast(tensors), _checked_by_worker(session, "every tensor"))
         if aside:  # built into the model's twin now, while the engine serves
             from hotweights.core.cast import lazy_mapping
 
