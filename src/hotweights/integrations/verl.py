@@ -161,7 +161,9 @@ class _Update:
                 specs[name] = spec
                 wanted.append((name, tensor))
         if problems:
-            raise WeightManifestValidationError(problems, context=f"verl bucket {index} (refused before any write)")
+            raise WeightManifestValidationError(
+                problems, context=f"verl's bucket {index} (checked by the engine's worker)"
+            )
         if not specs:
             return
         bucket, packed = _pack(index, wanted, specs, buffer.device)
@@ -177,7 +179,7 @@ class _Update:
         """Validate (every tensor arrived) and install atomically; returns the session's summary."""
         if not self.specs:
             raise WeightManifestValidationError(
-                [Mismatch("manifest", "update", actual="verl sent no tensors")], context="verl update"
+                [Mismatch("manifest", "update", actual="verl sent no tensors")], context="verl's update"
             )
         if self.update_id is None:
             self._begin(self.specs)
@@ -191,7 +193,7 @@ class _Update:
             spec = self.expected.tensors
             raise WeightManifestValidationError(
                 [Mismatch("missing", n, expected=f"{list(spec[n].shape)} {spec[n].dtype}") for n in missing],
-                context="verl update (checked by the engine's worker before any write)",
+                context="verl's update (checked by the engine's worker)",
             )
         update_id, self.update_id = self.update_id, None
         summary: dict[str, int | str | float] = self.session.commit(update_id)
