@@ -6,7 +6,9 @@ soon as it finishes. Every profile runs ``--seconds`` of that load; all but ``id
 ``--every`` seconds from a trainer coroutine on the same event loop:
 
 - ``idle``: no installs (the reference tokens/s);
-- ``wait``, ``abort``, ``keep``: ``hotweights.install_async(..., pause=mode)``, atomic commit (the default adapter);
+- ``wait``, ``abort``, ``keep``, ``recompute``: ``hotweights.install_async(..., pause=mode)``, atomic commit (the
+  default adapter). ``keep``: requests in flight go on with their KV cache from the old weights; ``recompute``: they
+  are prefilled again on the new weights, and the install's stall counts that re-prefill;
 - ``streaming``: ``pause="wait"`` through ``VLLMMultiprocessAdapter(engine, commit="streaming")``;
 - ``aside``: ``pause="keep"`` through ``VLLMMultiprocessAdapter(engine, install_method="aside")``: the new layers are
   built (loaded and re-packed) in a twin of the model while the engine serves, the commit swaps them in;
@@ -17,9 +19,9 @@ soon as it finishes. Every profile runs ``--seconds`` of that load; all but ``id
 Per profile it prints: output tokens/s and its ratio to ``idle``; per install (medians): the whole install time, the
 stall (``report.stall_s``: generation held off, from the pause to the resume; for ``native`` the same span timed
 here) and the longest gap between two consecutive tokens of one stream during the install (within a request, or from
-one request's last token to the next one's first); in keep mode,
-how many requests finished with tokens of two versions (``hotweights.weight_versions_of``). After the last install
-the engine's greedy tokens must equal HF's on the last checkpoint installed (exit 1 otherwise).
+one request's last token to the next one's first); in ``keep`` and ``recompute`` mode, how many requests finished
+with tokens of two versions and what happened to their KV cache (``hotweights.weight_versions_of``: ``kv``). After
+the last install the engine's greedy tokens must equal HF's on the last checkpoint installed (exit 1 otherwise).
 
 Then the same for an in-process ``vllm.LLM`` driven by another thread (``--inprocess``, on by default): a thread calls
 ``llm.generate`` on ``--streams`` prompts at a time, back to back, while the main thread installs every ``--every``
@@ -51,6 +53,7 @@ from safetensors.torch import save_file
 
 import hotweights
 from hotweights.adapters import VLLMMultiprocessAdapter
+from hotweights.handles import as_engine
 from hotweights.testing import (
     EventLoopThread,
     build_tiny_model,
@@ -61,7 +64,7 @@ from hotweights.testing import (
     stop_engine,
 )
 
-PROFILES = ("idle", "wait", "abort", "keep", "streaming", "aside", "native")
+PROFILES = ("idle", "wait", "abort", "keep", "recompute", "streaming", "aside", "native")
 LLM_PROFILES = ("llm-idle", "llm-reload", "llm-aside")
 SIZES: dict[str, dict[str, int]] = {
     "150m": {"hidden": 768, "layers": 12, "heads": 12, "kv_heads": 4, "intermediate": 3072, "vocab": 32000},
@@ -86,6 +89,8 @@ class Install:
     start: float
     end: float
     stall_s: float
+    recompute_s: float = 0.0
+    """``recompute``: the part of the stall spent waiting for the preempted requests' re-prefill."""
 
 
 async def stream(engine: Any, load: Load, max_tokens: int, ids: Any) -> None:
@@ -162,15 +167,22 @@ async def run_profile(
                 options["adapter"] = state[profile]
             report = await hotweights.install_async(engine, sd, weight_version=version, **options)
             stall = report.stall_s or 0.0
-        installs.append(Install(t0, time.perf_counter(), stall))
+        gate = getattr(as_engine(engine), "gate", None)
+        waited = getattr(gate, "recompute_s", None) if profile == "recompute" else None
+        installs.append(Install(t0, time.perf_counter(), stall, waited or 0.0))
         state["last"] = version % 2
     await asyncio.sleep(max(0.0, deadline - time.perf_counter()))
     elapsed, tokens = time.perf_counter() - start, load.tokens - tokens0
     load.stop = True
     await asyncio.gather(*streams)
     gap = statistics.median(longest_gap(load, i) for i in installs) if installs else 0.0
-    mixed = sum(1 for o in load.finished if hotweights.weight_versions_of(o).mixed)
-    return summary(profile, tokens / elapsed, installs, gap, mixed, len(load.finished))
+    crossed = [hotweights.weight_versions_of(o) for o in load.finished]
+    mixed = sum(1 for v in crossed if v.mixed)
+    kv = sorted({str(v.kv) for v in crossed if v.mixed})
+    row = {**summary(profile, tokens / elapsed, installs, gap, mixed, len(load.finished)), "kv": "/".join(kv)}
+    if profile == "recompute" and installs:
+        row["recompute_s"] = statistics.median(i.recompute_s for i in installs)
+    return row
 
 
 def summary(
@@ -235,7 +247,9 @@ def _print_row(row: dict[str, Any]) -> None:
     print(
         f"{row['profile']:>10}: {row['tok_s']:7.1f} tok/s, {row['installs']} installs, install "
         f"{row['install_s']:.2f} s, stall {row['stall_s']:.2f} s, longest token gap {row['gap_s']:.2f} s, "
-        f"{row['mixed']}/{row['requests']} requests with two versions",
+        f"{row['mixed']}/{row['requests']} requests with two versions"
+        + (f" (KV {row['kv']})" if row.get("kv") else "")
+        + (f", of the stall {row['recompute_s']:.2f} s re-prefill" if "recompute_s" in row else ""),
         flush=True,
     )
 
@@ -327,7 +341,7 @@ def main() -> int:
         share = f"{r['stall_s'] / r['install_s']:.2f}" if r["install_s"] else "-"
         print(
             f"| {r['profile']} | {r['tok_s']:.1f} | {ratio} | {r['installs']} | {r['install_s']:.2f} | "
-            f"{r['stall_s']:.2f} | {share} | {r['gap_s']:.2f} | {r['mixed']}/{r['requests']} |"
+            f"{r['stall_s']:.2f} | {share} | {r['gap_s']:.2f} | {r['mixed']}/{r['requests']} {r.get('kv', '')} |"
         )
     expected = refs[state["last"]] if state["version"] else refs[0]
     if served != expected:

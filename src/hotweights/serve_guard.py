@@ -19,6 +19,14 @@ What it does, before vLLM sees the request:
   what an install does), a request to a generation route (:data:`GENERATION_ROUTES`) is held and handed to vLLM
   after ``POST /resume``, as vLLM 0.31 and 0.32 queue it; from 0.33 vLLM itself would answer it 503 (retry) until
   the resume. A request is held at most ``HOTWEIGHTS_MAX_RPC_TIMEOUT`` seconds, then handed over as it is.
+- **KV epochs** (``pause="keep"`` and ``"recompute"``, see :mod:`hotweights.handles.pause`): it wraps the server's
+  ``AsyncLLM`` (``app.state.engine_client``) so that every request carries the engine's KV epoch in its
+  ``cache_salt`` (after the request's own salt), and answers ``GET /hotweights/kv_epoch`` (read it) and ``POST
+  /hotweights/kv_epoch`` (start a new one: what a ``keep`` install does once the engine is paused) itself. A
+  ``POST /reset_prefix_cache?reset_running_requests=true`` (a ``recompute`` install) holds generation routes, and
+  the ``POST /resume`` that follows is answered once every request it preempted produced a token on the new weights
+  (so the install's stall counts the re-prefill); the hold ends then. One API server process (vLLM's default): each
+  process would keep an epoch of its own.
 - **Timeouts**: the ``timeout`` of a ``/collective_rpc`` body (and a rendezvous' own ``timeout``) is capped at
   ``HOTWEIGHTS_MAX_RPC_TIMEOUT`` seconds (a missing or null one, which vLLM reads as "no limit", too); one that is
   not a number of seconds is refused (400), as is a body that is not a JSON object.
@@ -51,6 +59,8 @@ from collections.abc import Awaitable, Callable, Iterable, Mapping, MutableMappi
 from dataclasses import dataclass, field
 from typing import Any
 
+from hotweights.handles.pause import KvEpoch, decoding, recomputed
+
 __all__ = [
     "DEFAULT_MAX_RPC_TIMEOUT",
     "MIN_TOKEN_LENGTH",
@@ -80,6 +90,11 @@ TOKEN_HEADER = b"x-hotweights-token"
 COLLECTIVE_RPC = "/collective_rpc"
 INIT_TRANSFER = "/init_weight_transfer_engine"
 PAUSE, RESUME = "/pause", "/resume"
+RESET = "/reset_prefix_cache"
+#: The guard's own route: GET reads the server's KV epoch, POST starts a new one (a ``keep`` install, once paused).
+KV_EPOCH = "/hotweights/kv_epoch"
+#: Seconds a resume after a ``recompute`` reset waits at most for the requests it preempted.
+RECOMPUTE_TIMEOUT = 50.0
 #: The routes that start generation: held (POST) while the engine is paused with ``mode=wait`` or ``abort``.
 GENERATION_ROUTES = frozenset(
     {
@@ -239,9 +254,18 @@ class HotWeightsGuard:
         token = self.config.token if self.config is not None else None
         self._digest = hashlib.sha256(token.encode()).digest() if token is not None else None
         self._paused: asyncio.Event | None = None
-        """Set while a pause with ``mode=wait`` or ``abort`` holds generation; None otherwise."""
+        """Set while a pause with ``mode=wait`` or ``abort`` (or a ``recompute`` reset) holds generation; None
+        otherwise."""
         self.held = 0
         """Requests held until a resume (for tests, metrics)."""
+        self._engine: Any = None
+        """The server's ``AsyncLLM`` (``app.state.engine_client``), once found."""
+        self.epoch: KvEpoch | None = None
+        """The engine's KV epoch, folded into the salt of every request (None until the engine was found)."""
+        self._preempted: frozenset[str] = frozenset()
+        """Requests a ``recompute`` reset preempted: the next resume is answered once they decode again."""
+        self.recompute_s: float | None = None
+        """Seconds the last resume after a ``recompute`` reset waited for the requests it preempted."""
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
@@ -264,8 +288,16 @@ class HotWeightsGuard:
                 f"<token>` (hotweights.connect(url, token=...) or {TOKEN_ENV} sends it)",
             )
             return
+        if self.epoch is None:
+            self._attach(scope)
         path = _path(scope)
         post = kind == "http" and scope.get("method") == "POST"
+        if kind == "http" and path == KV_EPOCH:
+            await self._kv_epoch(scope, receive, send)
+            return
+        if post and path == RESET and _query(scope).get("reset_running_requests", "").lower() == "true":
+            await self._recompute_reset(scope, receive, send)
+            return
         if post and path in (COLLECTIVE_RPC, INIT_TRANSFER):
             await self._checked(scope, receive, send, path)
             return
@@ -276,10 +308,38 @@ class HotWeightsGuard:
             await self._held(path)
         await self.app(scope, receive, send)
 
-    async def _pausing(self, scope: Scope, receive: Receive, send: Send, path: str) -> None:
-        """Forward a pause or resume; a pause that rejects new requests holds generation routes until the resume
-        (or until the pause fails)."""
-        holds = path == PAUSE and _query(scope).get("mode", "abort") in ("wait", "abort") and self._paused is None
+    def _attach(self, scope: Scope) -> None:
+        """Find the server's ``AsyncLLM`` and salt every request it admits with its KV epoch (once)."""
+        engine = getattr(getattr(scope.get("app"), "state", None), "engine_client", None)
+        if engine is None or not callable(getattr(engine, "generate", None)):
+            return
+        from hotweights.core import attach
+
+        epoch: KvEpoch = attach.value(engine, "kv_epoch", KvEpoch)
+        for name in ("generate", "encode"):
+            attach.patch(engine, engine, name, epoch.wrap)
+        self._engine, self.epoch = engine, epoch
+
+    async def _kv_epoch(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """``GET``: the engine's KV epoch; ``POST``: start a new one (every request admitted from now on is salted
+        with it). 501 where the guard cannot reach the engine."""
+        if self.epoch is None:
+            await _refuse(scope, receive, send, 501, "hotweights guard: the server's engine cannot be reached here")
+            return
+        if scope.get("method") == "POST":
+            self.epoch.bump()
+        await _answer(send, 200, {"epoch": self.epoch.epoch})
+
+    def _in_flight(self) -> dict[str, tuple[int, str | None]]:
+        from hotweights.vllm.compat import requests_in_flight
+
+        return requests_in_flight(self._engine) if self._engine is not None else {}
+
+    async def _recompute_reset(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Forward a reset that preempts the requests in flight; hold generation routes until the resume after it
+        finds them decoding again (see :meth:`_pausing`)."""
+        preempted = decoding(self._in_flight())
+        holds = self._paused is None
         if holds:
             self._paused = asyncio.Event()
         status: list[int] = []
@@ -292,8 +352,41 @@ class HotWeightsGuard:
         try:
             await self.app(scope, receive, sent)
         finally:
+            if status and status[0] < 300:
+                self._preempted = self._preempted | preempted
+            elif holds:  # a failed reset: only its own hold
+                self._release()
+
+    async def _pausing(self, scope: Scope, receive: Receive, send: Send, path: str) -> None:
+        """Forward a pause or resume; a pause that rejects new requests holds generation routes until the resume
+        (or until the pause fails). A resume after a ``recompute`` reset is answered once the requests it preempted
+        decode again on the new weights."""
+        holds = path == PAUSE and _query(scope).get("mode", "abort") in ("wait", "abort") and self._paused is None
+        if holds:
+            self._paused = asyncio.Event()
+        status: list[int] = []
+        preempted = self._preempted if path == RESUME else frozenset()
+        answer: list[Message] = []
+
+        async def sent(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                status.append(int(message["status"]))
+            if preempted:
+                answer.append(message)  # answered once they were prefilled again
+            else:
+                await send(message)
+
+        try:
+            await self.app(scope, receive, sent)
+            if preempted and status and status[0] < 300 and self._engine is not None:
+                self._preempted = frozenset()
+                label = str(await self._engine.get_weight_version())
+                self.recompute_s = await recomputed(self._in_flight, preempted, label, RECOMPUTE_TIMEOUT)
+        finally:
             if path == RESUME or (holds and (not status or status[0] >= 300)):  # a failed pause: only its own hold
                 self._release()
+            for message in answer:
+                await send(message)
 
     def _release(self) -> None:
         paused, self._paused = self._paused, None
@@ -548,6 +641,14 @@ def _preflight(scope: Scope) -> bool:
         return False
     names = {name for name, _ in scope.get("headers", ())}
     return b"origin" in names and b"access-control-request-method" in names
+
+
+async def _answer(send: Send, status: int, body: Mapping[str, Any]) -> None:
+    """Answer an HTTP request with ``body`` as JSON."""
+    data = json.dumps(body).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": data})
 
 
 async def _refuse(scope: Scope, receive: Receive, send: Send, status: int, message: str) -> None:

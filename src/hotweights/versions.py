@@ -6,13 +6,14 @@ vLLM labels every output token with the weight version its engine held when the 
 versions (ints), for a ``RequestOutput`` from ``LLM.generate`` or ``AsyncLLM.generate`` or one of its
 ``CompletionOutput``\\ s. It is pure: it never imports vLLM and reads only those attributes.
 
-- One version produced every token (always, unless an install ran with ``pause="keep"`` while the request was in
-  flight): :func:`weight_version_of` returns it, an ``int``.
+- One version produced every token (always, unless an install ran with ``pause="keep"`` or ``"recompute"`` while
+  the request was in flight): :func:`weight_version_of` returns it, an ``int``.
 - Tokens from the weights the engine started with, before any install: ``None`` (vLLM's initial label is
   ``"default"``), the same ``None`` as :attr:`InstallReport.previous_version` for those weights.
-- Tokens from two or more versions (``pause="keep"``): :func:`weight_version_of` raises ``ValueError`` instead of
-  picking one, so a mixed output is never taken for a single-version one; :func:`weight_versions_of` returns every
-  span (:class:`WeightVersions`: ``first``, ``last``, ``mixed``, ``spans``).
+- Tokens from two or more versions (``pause="keep"`` or ``"recompute"``): :func:`weight_version_of` raises
+  ``ValueError`` instead of picking one, so a mixed output is never taken for a single-version one;
+  :func:`weight_versions_of` returns every span (:class:`WeightVersions`: ``first``, ``last``, ``mixed``, ``spans``)
+  and what happened to the request's KV cache at each install it crossed (``kv``: ``"kept"`` or ``"recomputed"``).
 
 Example:
     >>> outs = llm.generate(prompts, sampling_params)                      # doctest: +SKIP
@@ -24,15 +25,17 @@ Example:
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import PurePath
-from typing import Any
+from typing import Any, Literal
 
 __all__ = [
     "INITIAL_LABEL",
+    "KvCrossing",
     "VersionSpan",
     "WeightVersions",
     "lora_version_of",
@@ -43,6 +46,27 @@ __all__ = [
 INITIAL_LABEL = "default"
 """The label vLLM 0.32's engine core gives its weights until a version is recorded (``EngineCore._weight_version``);
 reported as ``None``."""
+
+KvCrossing = Literal["kept", "recomputed", "mixed", "unknown"]
+"""What happened to a request's KV cache at the installs it crossed (:attr:`WeightVersions.kv`)."""
+
+#: The pause modes whose installs a request can cross, and what each did to its KV cache.
+_KV_OF_MODE = {"keep": "kept", "recompute": "recomputed"}
+#: Version -> what its install did to the KV cache of the requests in flight (``keep``/``recompute`` installs made
+#: from this process; :func:`record_kv`).
+_KV_OF_VERSION: dict[int, str] = {}
+
+
+def record_kv(version: str, pause: str) -> None:
+    """Note that the install of ``version`` ran with ``pause`` (the engine handles call it when they record the
+    version): :attr:`WeightVersions.kv` reads it back for a request that crossed that install."""
+    if not str(version).isdecimal():
+        return
+    kv = _KV_OF_MODE.get(pause)
+    if kv is None:
+        _KV_OF_VERSION.pop(int(version), None)  # nothing in flight crosses a "wait" or "abort" install
+    else:
+        _KV_OF_VERSION[int(version)] = kv
 
 
 @dataclass(frozen=True)
@@ -63,6 +87,12 @@ class WeightVersions:
     token order)."""
 
     spans: tuple[VersionSpan, ...]
+    kv: KvCrossing | None = None
+    """What happened to the request's KV cache at the installs it crossed: ``"kept"`` (``pause="keep"``: its tokens
+    after the install attended to keys and values computed by the older weights), ``"recomputed"``
+    (``pause="recompute"``: prompt and earlier tokens were prefilled again by the new weights), ``"mixed"`` (it
+    crossed installs of both kinds), ``"unknown"`` (no install made from this process recorded how: e.g. the
+    trainer installed from another process). None: it crossed no install (one version produced every token)."""
 
     @property
     def versions(self) -> tuple[int | None, ...]:
@@ -71,7 +101,7 @@ class WeightVersions:
 
     @property
     def mixed(self) -> bool:
-        """True when more than one version produced the tokens (only with ``pause="keep"``)."""
+        """True when more than one version produced the tokens (only with ``pause="keep"`` or ``"recompute"``)."""
         return len(self.versions) > 1
 
     @property
@@ -91,7 +121,8 @@ class WeightVersions:
 
 
 def weight_versions_of(output: Any) -> WeightVersions:
-    """Every weight version that produced ``output``, span by span.
+    """Every weight version that produced ``output``, span by span, and what happened to its KV cache at each
+    install it crossed (:attr:`WeightVersions.kv`).
 
     Args:
         output: a finished ``RequestOutput`` (every completion's spans, ``n > 1`` included) or one
@@ -110,6 +141,9 @@ def weight_versions_of(output: Any) -> WeightVersions:
         >>> v = weight_versions_of(NS(outputs=[done]))
         >>> v.mixed, v.first, v.last, v.versions
         (True, 6, 7, (6, 7))
+        >>> record_kv("7", "keep")
+        >>> weight_versions_of(NS(outputs=[done])).kv
+        'kept'
     """
     completions: Sequence[Any] | None = _field(output, "outputs", None)
     if completions is None:
@@ -134,7 +168,23 @@ def weight_versions_of(output: Any) -> WeightVersions:
             VersionSpan(_version(_field(s, "version")), int(_field(s, "start")), int(_field(s, "end")), index)
             for s in labels
         ]
-    return WeightVersions(tuple(spans))
+    return WeightVersions(tuple(spans), _crossed(spans))
+
+
+def _crossed(spans: Sequence[VersionSpan]) -> KvCrossing | None:
+    """How the installs between consecutive spans of one completion treated its KV cache (see
+    :attr:`WeightVersions.kv`)."""
+    seen: set[str] = set()
+    for before, after in itertools.pairwise(spans):
+        if before.index != after.index or before.version == after.version:
+            continue
+        kv = _KV_OF_VERSION.get(after.version) if after.version is not None else None
+        seen.add(kv or "unknown")
+    if not seen:
+        return None
+    if "unknown" in seen:
+        return "unknown"
+    return "mixed" if len(seen) > 1 else ("kept" if seen == {"kept"} else "recomputed")
 
 
 def weight_version_of(output: Any) -> int | None:
@@ -147,9 +197,9 @@ def weight_version_of(output: Any) -> int | None:
         The ``weight_version`` of the install that produced it, or None for the weights the engine started with.
 
     Raises:
-        ValueError: two or more versions produced its tokens (an install ran with ``pause="keep"`` while it was in
-            flight; the message lists the spans, :func:`weight_versions_of` returns them); it has no tokens; or
-            see :func:`weight_versions_of`.
+        ValueError: two or more versions produced its tokens (an install ran with ``pause="keep"`` or ``"recompute"``
+            while it was in flight; the message lists the spans, :func:`weight_versions_of` returns them); it has no
+            tokens; or see :func:`weight_versions_of`.
 
     Example:
         >>> from types import SimpleNamespace as NS
@@ -166,8 +216,8 @@ def weight_version_of(output: Any) -> int | None:
             f"{'initial' if s.version is None else f'v{s.version}'} [{s.start}:{s.end}]" for s in versions.spans
         )
         raise ValueError(
-            f"more than one weight version produced this output ({spans}): an install ran with pause='keep' while "
-            "it was in flight. Use hotweights.weight_versions_of(output) to read every span."
+            f"more than one weight version produced this output ({spans}): an install ran with pause='keep' or "
+            "'recompute' while it was in flight. Use hotweights.weight_versions_of(output) to read every span."
         )
     return versions.first
 

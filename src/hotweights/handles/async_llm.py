@@ -3,7 +3,8 @@
 Installs run in a worker thread (:func:`hotweights.install_async` puts them there, so packing and copying never
 block the event loop); every engine call is a coroutine scheduled on the caller's loop and awaited from that
 thread with a timeout. Generation is kept off the weights by pausing the scheduler (``pause_generation``) from the
-first write to the end of the install, and resumed always, also on failure.
+first write to the end of the install, and resumed always, also on failure. What ``keep`` and ``recompute`` do to
+the KV cache of requests in flight: :mod:`hotweights.handles.pause`.
 """
 
 from __future__ import annotations
@@ -19,7 +20,9 @@ from hotweights.core import attach
 from hotweights.core.errors import HotWeightsTimeoutError, PartialUpdateError
 from hotweights.core.manifest import ExpectedWeights
 from hotweights.handles.handle import EngineHandle, PauseMode
+from hotweights.handles.pause import KvEpoch, decoding, recomputed
 from hotweights.handles.sleep import SleepTracker
+from hotweights.versions import record_kv
 from hotweights.vllm import compat, liveness
 from hotweights.vllm.expected import expected_weights
 
@@ -27,11 +30,13 @@ __all__ = ["PAUSE_MODES", "AsyncLLMHandle", "PauseGate"]
 
 T = TypeVar("T")
 
-PAUSE_MODES: tuple[PauseMode, ...] = ("wait", "abort", "keep")
+PAUSE_MODES: tuple[PauseMode, ...] = ("wait", "abort", "keep", "recompute")
 #: ``AsyncLLM`` methods that start requests: refused while the engine fails closed.
 REQUEST_METHODS = ("generate", "encode")
 #: Seconds a resume or a version record may take.
 SHORT_TIMEOUT = 60.0
+#: Seconds a ``recompute`` install waits for the requests it preempted to be prefilled again on the new weights.
+RECOMPUTE_TIMEOUT = 120.0
 
 
 class AsyncLLMHandle(EngineHandle):
@@ -48,7 +53,7 @@ class AsyncLLMHandle(EngineHandle):
         self._gate = PauseGate(self)
         self._sleep = SleepTracker(engine, is_async=True)
         for name in REQUEST_METHODS:
-            attach.patch(engine, engine, name, lambda method: _refusing(method, self._gate))
+            attach.patch(engine, engine, name, lambda method: _refusing(method, self._gate, self._gate.epoch))
 
     def bind(self, loop: asyncio.AbstractEventLoop, pause: PauseMode) -> None:
         """Drive the engine through ``loop`` (the one it runs on); ValueError for a ``pause`` it cannot honour."""
@@ -104,12 +109,24 @@ class AsyncLLMHandle(EngineHandle):
         return self._gate
 
     def reset_prefix_cache(self) -> bool:
-        # Requests frozen by pause="keep" hold blocks: drop theirs too (they recompute on the new weights).
-        keep = self.pause_mode == "keep"
-        return bool(self.run(self.engine.reset_prefix_cache(keep), SHORT_TIMEOUT, "reset_prefix_cache"))
+        """``recompute``: preempt the requests in flight (vLLM prefills them again on the new weights) and drop every
+        cached block. ``keep``: the requests in flight keep their blocks; the KV epoch the install started keeps them
+        from any request admitted after it, so True (with nothing in flight, vLLM drops every cached block too).
+        Other modes: nothing runs, every cached block is dropped."""
+        mode = self.pause_mode
+        if mode in ("keep", "recompute"):
+            in_flight = self.run(_in_flight(self.engine), SHORT_TIMEOUT, "requests in flight")
+            if mode == "recompute":
+                self._gate.preempted = decoding(in_flight)
+                return bool(self.run(self.engine.reset_prefix_cache(True), SHORT_TIMEOUT, "reset_prefix_cache"))
+            if in_flight:  # they hold blocks: vLLM would refuse (and warn); the epoch keeps theirs from new requests
+                return self._gate.epoch.epoch > 0
+        return bool(self.run(self.engine.reset_prefix_cache(False), SHORT_TIMEOUT, "reset_prefix_cache"))
 
     def set_weight_version(self, version: str) -> str | None:
         self.run(self.engine.update_weight_version(version), SHORT_TIMEOUT, "update_weight_version")
+        self._gate.label = version
+        record_kv(version, self.pause_mode)
         return self.get_weight_version()
 
     def get_weight_version(self) -> str | None:
@@ -157,14 +174,26 @@ class PauseGate:
     """The :class:`~hotweights.core.gate.WriteGate` of an ``AsyncLLM``: pause the scheduler, resume always (an
     engine someone else paused is left paused).
 
-    Under ``pause="wait"`` or ``"abort"`` it also holds requests that arrive during the install and hands them to
-    vLLM after the resume, so they queue on every vLLM: from 0.33 vLLM itself rejects them while paused
-    (``RetryableRequestError``). One that slipped past the hold as the pause began is resubmitted once it ends."""
+    Under ``pause="wait"``, ``"abort"`` or ``"recompute"`` it also holds requests that arrive during the install and
+    hands them to vLLM after the resume (``recompute``: once the requests it preempted produced a token on the new
+    weights), so they queue on every vLLM: from 0.33 vLLM itself rejects them while paused
+    (``RetryableRequestError``). One that slipped past the hold as the pause began is resubmitted once it ends.
+    Under ``keep`` nothing is held: once the engine is paused the install starts a new KV epoch
+    (:class:`~hotweights.handles.pause.KvEpoch`), and every request admitted from then on carries it in its
+    ``cache_salt``."""
 
     def __init__(self, handle: AsyncLLMHandle) -> None:
         self.handle = handle
         self.refusal: str | None = None
         self._hold: asyncio.Event | None = None
+        self.epoch = KvEpoch()
+        """The engine's KV epoch, folded into the salt of every request the handle's wrapper admits."""
+        self.preempted: frozenset[str] = frozenset()
+        """Requests the running ``recompute`` install preempted after its write (waited for after the resume)."""
+        self.label: str | None = None
+        """The version label the running install recorded (their first token on the new weights carries it)."""
+        self.recompute_s: float | None = None
+        """Seconds the last ``recompute`` install waited after the resume for the requests it preempted."""
         self.installs = 0
         """Installs that held requests so far (a rejected request resubmits when one ran since it was sent)."""
         self.held = 0
@@ -174,21 +203,30 @@ class PauseGate:
     def installing(self, timeout: float | None = None) -> Iterator[float]:
         handle, start = self.handle, time.perf_counter()
         mode = handle.pause_mode
+        frozen = mode in ("keep", "recompute")  # vLLM's "keep" pause: requests in flight are frozen, blocks and all
         # Paused by someone else already (not asleep: checked before): the install goes on under that pause and
         # leaves it (a trainer killed while it held a pause took this in-process engine with it).
         ours = handle.scheduler_paused() is not True
         hold = asyncio.Event() if ours and mode != "keep" else None
         self._hold = hold
+        self.preempted, self.label, self.recompute_s = frozenset(), None, None
         try:
-            if ours:  # "keep" leaves frozen requests their KV blocks; the other modes drain, so the caches can go now
-                pause = handle.engine.pause_generation(mode=mode, clear_cache=mode != "keep")
+            if ours:  # frozen requests keep their KV blocks; the other modes drain, so the caches can go now
+                pause = handle.engine.pause_generation(mode="keep" if frozen else mode, clear_cache=not frozen)
                 handle.run(pause, timeout, f"pause_generation(mode={mode!r}) (requests in flight)")
+            if mode == "keep":  # once frozen: every request admitted from now on starts on the new weights
+                self.epoch.bump()
             yield time.perf_counter() - start
         finally:
             try:
                 if ours:
                     handle.run(handle.engine.resume_generation(), SHORT_TIMEOUT, "resume_generation")
+                    if self.preempted and self.label is not None:  # recompute: part of the stall
+                        read, label = functools.partial(compat.requests_in_flight, handle.engine), self.label
+                        waited = recomputed(read, self.preempted, label, RECOMPUTE_TIMEOUT)
+                        self.recompute_s = handle.run(waited, RECOMPUTE_TIMEOUT + 5.0, "the re-prefill")
             finally:
+                self.preempted = frozenset()
                 if hold is not None:
                     self._hold = None
                     self.installs += 1
@@ -216,9 +254,12 @@ class PauseGate:
 RESUBMITS = 3
 
 
-def _refusing(method: Callable[..., AsyncIterator[Any]], gate: PauseGate) -> Callable[..., AsyncIterator[Any]]:
+def _refusing(
+    method: Callable[..., AsyncIterator[Any]], gate: PauseGate, epoch: KvEpoch | None = None
+) -> Callable[..., AsyncIterator[Any]]:
     """``method`` (an async generator) that raises :class:`PartialUpdateError` while ``gate`` refuses, waits while
-    an install holds requests, and resubmits a request vLLM rejected because an install had just paused it."""
+    an install holds requests, salts each request with ``epoch`` (the engine's KV epoch), and resubmits a request vLLM
+    rejected because an install had just paused it."""
 
     @functools.wraps(method)
     async def call(*args: Any, **kwargs: Any) -> AsyncIterator[Any]:
@@ -227,8 +268,10 @@ def _refusing(method: Callable[..., AsyncIterator[Any]], gate: PauseGate) -> Cal
             if gate.refusal is not None:  # also one set by the install a request waited for (fail closed)
                 raise PartialUpdateError(gate.refusal)
             installs, started = gate.installs, False
+            # the epoch at admission (each try: a request held through an install starts in the epoch after it)
+            salted_args, salted_kwargs = epoch.call(args, kwargs) if epoch is not None else (args, kwargs)
             try:
-                async for item in method(*args, **kwargs):
+                async for item in method(*salted_args, **salted_kwargs):
                     started = True
                     yield item
                 return
@@ -239,6 +282,11 @@ def _refusing(method: Callable[..., AsyncIterator[Any]], gate: PauseGate) -> Cal
                 gate.held += 1  # paused by an install between the hold's check and vLLM's admission: resubmit
 
     return call
+
+
+async def _in_flight(engine: Any) -> dict[str, tuple[int, str | None]]:
+    """:func:`~hotweights.vllm.compat.requests_in_flight`, read on the engine's loop (which updates them)."""
+    return compat.requests_in_flight(engine)
 
 
 def _in_loop_thread(loop: asyncio.AbstractEventLoop) -> bool:

@@ -38,12 +38,15 @@ __all__ = ["EngineHandle", "PauseMode"]
 #: Seconds the workers may take to zero their KV cache.
 CLEAR_KV_TIMEOUT = 60.0
 
-PauseMode = Literal["wait", "abort", "keep"]
+PauseMode = Literal["wait", "abort", "keep", "recompute"]
 """What an engine with a scheduler does with requests in flight while an install writes.
 
 ``wait`` (default): the install waits for them to finish, so no response mixes weights. ``abort``: they end at
-once with ``finish_reason="abort"`` (the caller retries them). ``keep``: they are frozen and finish on the new
-weights after the install, so one response can mix two versions: only for off-policy trainers that accept it.
+once with ``finish_reason="abort"`` (the caller retries them). ``keep``: they are frozen, keep their KV cache (computed
+by the old weights) and finish on the new weights attending to it; requests admitted after the install never reuse
+those blocks. ``recompute``: they are frozen, then prefilled again (prompt and tokens so far) on the new weights
+before they go on; the re-prefill counts in the install's stall. With ``keep`` and ``recompute`` one response can mix
+two versions: only for off-policy trainers that accept it (see ``docs/async-rl.md``).
 """
 
 
@@ -88,7 +91,8 @@ class EngineHandle(ABC):
         if mode not in self.pause_modes:
             raise ValueError(
                 f"pause={mode!r} is not available for a {self.describe()}: it supports {self.pause_modes} (a "
-                "vllm.LLM waits for running generation calls; 'abort' and 'keep' need an AsyncLLM or a server)"
+                "vllm.LLM waits for running generation calls; 'abort', 'keep' and 'recompute' need an AsyncLLM or a "
+                "server)"
             )
 
     def set_pause_mode(self, mode: PauseMode) -> None:

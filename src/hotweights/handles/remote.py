@@ -35,6 +35,7 @@ from hotweights.handles.handle import EngineHandle, PauseMode
 from hotweights.handles.pause import PauseOwner
 from hotweights.telemetry import best_effort
 from hotweights.telemetry import logger as _log
+from hotweights.versions import record_kv
 from hotweights.vllm.compat import TESTED_VLLM, WORKER_EXTENSION
 from hotweights.vllm.expected import checkpoint_dir, checkpoint_expected
 from hotweights.vllm.plugin import BACKEND
@@ -44,7 +45,7 @@ if TYPE_CHECKING:
 
 __all__ = ["PAUSE_MODES", "ConnectOptions", "RemoteGate", "RemoteHandle", "connect"]
 
-PAUSE_MODES: tuple[PauseMode, ...] = ("wait", "abort", "keep")
+PAUSE_MODES: tuple[PauseMode, ...] = ("wait", "abort", "keep", "recompute")
 #: How to start a server hotweights can install into (named by every "not supported" error).
 SERVER_FLAGS = (
     f"start it with VLLM_SERVER_DEV_MODE=1 and --worker-extension-cls {WORKER_EXTENSION} (or --weight-transfer-config "
@@ -56,6 +57,8 @@ SHORT_TIMEOUT = 60.0
 _LIMITS = httpx.Limits(max_connections=32, max_keepalive_connections=8, keepalive_expiry=2.0)
 #: Where :func:`connect` reads the server's token when none is passed (the server's guard reads it too).
 TOKEN_ENV = "HOTWEIGHTS_TOKEN"
+#: The guard's own route for the server's KV epoch (:mod:`hotweights.handles.pause`): GET reads it, POST starts one.
+KV_EPOCH_ROUTE = "/hotweights/kv_epoch"
 
 
 class ConnectOptions(TypedDict, total=False):
@@ -338,14 +341,40 @@ class RemoteHandle(EngineHandle):
         return self._gate
 
     def reset_prefix_cache(self) -> bool:
-        # Requests frozen by pause="keep" hold blocks: drop theirs too (they recompute on the new weights).
-        params = {"reset_running_requests": "true" if self.pause_mode == "keep" else "false"}
+        """``recompute``: preempt the requests in flight (the server's guard holds new requests and answers the resume
+        once they were prefilled again on the new weights). ``keep``: the requests in flight keep their blocks, and
+        the KV epoch the install started on the server (through its guard) keeps them from later requests; a server
+        without hotweights' guard cannot salt its requests, so its requests in flight are recomputed instead (a
+        warning says so, and :func:`hotweights.weight_versions_of` reports ``"recomputed"``)."""
+        mode = self.pause_mode
+        if mode == "keep" and not self._gate.salted:
+            _log.warning(
+                "hotweights: pause='keep' on %s: the server does not run hotweights' guard, which keeps the old "
+                "weights' KV blocks from requests admitted after the install, so its requests in flight are "
+                "recomputed on the new weights instead. Start it with `python -m hotweights.serve` (or --middleware "
+                "hotweights.serve_guard.HotWeightsGuard) to keep their KV, or pass pause='recompute'",
+                self.url,
+            )
+            mode = "recompute"
+        self._kv_mode = mode
+        params = {"reset_running_requests": "true" if mode == "recompute" else "false"}
         answer = self._request("POST", "/reset_prefix_cache", params=params, timeout=SHORT_TIMEOUT)
-        return bool((answer or {}).get("success", False))
+        return bool((answer or {}).get("success", False)) or mode == "keep"
 
     def set_weight_version(self, version: str) -> str | None:
         self._request("POST", "/update_weight_version", json_body={"new_version": version}, timeout=SHORT_TIMEOUT)
+        record_kv(version, self.__dict__.pop("_kv_mode", self.pause_mode))
         return self.get_weight_version()
+
+    def kv_epoch(self, start: bool = False) -> int | None:
+        """The server's KV epoch (``start``: begin a new one first), kept by hotweights' guard; None where the server
+        runs no guard (or one that predates it)."""
+        try:
+            answer = self._request("POST" if start else "GET", KV_EPOCH_ROUTE, timeout=SHORT_TIMEOUT)
+        except HotWeightsError:
+            return None
+        epoch = answer.get("epoch") if isinstance(answer, dict) else None
+        return epoch if isinstance(epoch, int) and not isinstance(epoch, bool) else None
 
     def family(self) -> tuple[str | None, str, str]:
         """From the workers where the server runs the worker extension; else the checkpoint's architecture, the
@@ -426,19 +455,26 @@ class RemoteGate:
         self.handle = handle
         self.refusal: str | None = None
         self._holding = False
+        self.salted = False
+        """Whether the running ``keep`` install started a new KV epoch on the server (its guard salts requests)."""
 
     @contextmanager
     def installing(self, timeout: float | None = None) -> Iterator[float]:
         handle, start = self.handle, time.perf_counter()
         mode = handle.pause_mode
-        # "keep" leaves frozen requests their KV blocks; the other modes drain, so the caches can go now.
-        params = {"mode": mode, "clear_cache": "false" if mode == "keep" else "true"}
+        # "keep" and "recompute" freeze requests in flight with their KV blocks; the other modes drain, so the caches
+        # can go now. Under "keep" a new KV epoch starts once the server is paused (every request admitted from then
+        # on starts on the new weights).
+        frozen = mode in ("keep", "recompute")
+        params = {"mode": "keep" if frozen else mode, "clear_cache": "false" if frozen else "true"}
+        self.salted = False
         paused, ours = self._paused_already(timeout)
         handle.pause_owner("claim", PauseOwner.mine())
         self._holding = True
         try:
             if not paused:
                 handle._request("POST", "/pause", params=params, timeout=timeout, what=f"pause (mode={mode!r})")
+            self.salted = mode == "keep" and handle.kv_epoch(start=True) is not None
             yield time.perf_counter() - start
         finally:
             self._holding = False

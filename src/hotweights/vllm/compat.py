@@ -54,6 +54,7 @@ __all__ = [
     "prompt_logprobs",
     "release",
     "reload_model_inplace",
+    "requests_in_flight",
     "reset_prefix_cache",
     "rpc",
     "scheduler_paused",
@@ -483,6 +484,21 @@ def engine_weight_version(llm: Any) -> str | None:
     if not hasattr(engine, "get_weight_version"):
         return None
     return str(engine.get_weight_version())
+
+
+def requests_in_flight(engine: Any) -> dict[str, tuple[int, str | None]]:
+    """The requests an ``AsyncLLM``'s front end serves now: request id -> (output tokens so far, the weight-version
+    label of the last one, None before its first). Read from vLLM 0.32's output processor
+    (``RequestState.detokenizer`` and ``weight_version_starts``), which its output handler updates whether or not
+    the caller reads the outputs; empty where the engine has no such state."""
+    states = getattr(getattr(engine, "output_processor", None), "request_states", None)
+    found: dict[str, tuple[int, str | None]] = {}
+    for rid, state in list(states.items()) if isinstance(states, dict) else []:
+        detokenizer = getattr(state, "detokenizer", None)
+        tokens = int(detokenizer.num_output_tokens()) if detokenizer is not None else 0
+        starts = getattr(state, "weight_version_starts", None) or []
+        found[str(rid)] = (tokens, str(starts[-1][0]) if starts else None)
+    return found
 
 
 def prompt_logprobs(llm: Any, token_ids: Sequence[int]) -> list[float | None]:
