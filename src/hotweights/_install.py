@@ -171,9 +171,11 @@ async def install_async(
     Validation, packing and copying run in a worker thread, so the event loop keeps serving. Requests in flight
     are handled by ``pause``: ``"wait"`` (default) pauses the scheduler once they finished, so no response mixes
     weights; ``"abort"`` ends them at once (``finish_reason="abort"``; retry them); ``"keep"`` freezes them and they
-    finish on the new weights, so one response can mix two versions: only for off-policy trainers that accept it.
-    Generation is resumed always, also on failure; the prefix cache is reset after the write, then the version is
-    recorded in the engine.
+    finish on the new weights attending to the KV cache the old weights computed (requests admitted after the
+    install never reuse it); ``"recompute"`` freezes them and prefills them again on the new weights (inside
+    ``report.stall_s``). With either, one response can mix two versions (``weight_versions_of(output)`` says which
+    and how): only for off-policy trainers that accept it. Generation is resumed always, also on failure; the
+    prefix cache is reset after the write, then the version is recorded in the engine.
 
     Example:
         >>> report = await hotweights.install_async(engine, model.state_dict(), weight_version=step)  # doctest: +SKIP
