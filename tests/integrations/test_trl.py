@@ -93,13 +93,16 @@ def _train(
     peft: bool,
     arch: str = "qwen2",
     with_lora: bool = False,
+    trls_engine: bool = False,
 ) -> tuple[Any, Any, list[Sync]]:
-    """Train ``steps`` GRPO steps; every sync TRL asks for goes through hotweights and is checked right after."""
+    """Train ``steps`` GRPO steps; every sync TRL asks for goes through hotweights and is checked right after.
+    ``trls_engine``: TRL's own ``LLM(...)`` as it starts it (bf16, compiled), checked only by the caller."""
     import trl.generation.vllm_generation as vg
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
-    monkeypatch.setattr(vg, "LLM", _fp32_cpu_llm)
+    if not trls_engine:
+        monkeypatch.setattr(vg, "LLM", _fp32_cpu_llm)
     tokenizer = _tokenizer()
     model = build_tiny_model(arch, seed=0, vocab=len(tokenizer))  # type: ignore[arg-type]
     path = save_tiny_model(model, tmp_path / "policy")
@@ -145,7 +148,7 @@ def _train(
     def checked_sync() -> None:
         report = trl_sync()
         assert report is not None
-        syncs.append(_check(trainer, llm, report))
+        syncs.append(_check(trainer, llm, report, hf=not trls_engine))
 
     # A spy around the handle: TRL calls sync_weights itself, at the step it chooses; check what it installed.
     monkeypatch.setattr(trainer.vllm_generation, "sync_weights", checked_sync)
@@ -181,7 +184,7 @@ def _greedy_hf(model: Any, prompts: list[list[int]], max_tokens: int = 8) -> lis
     return result
 
 
-def _check(trainer: Any, llm: Any, report: hotweights.InstallReport) -> Sync:
+def _check(trainer: Any, llm: Any, report: hotweights.InstallReport, hf: bool = True) -> Sync:
     model = _served_model(trainer)
     was_training = model.training
     model.eval()
@@ -189,7 +192,7 @@ def _check(trainer: Any, llm: Any, report: hotweights.InstallReport) -> Sync:
         step=trainer.state.global_step,
         report=report,
         vllm=greedy_vllm(llm, GREEDY_PROMPTS),
-        hf=_greedy_hf(model, GREEDY_PROMPTS),
+        hf=_greedy_hf(model, GREEDY_PROMPTS) if hf else [],
         engine_version=llm.llm_engine.get_weight_version(),
         weights={k: v.detach().clone() for k, v in model.state_dict().items()},
     )
@@ -231,6 +234,43 @@ def test_grpo_colocate_syncs_through_hotweights(
         stop_engine(llm)
     with capsys.disabled():
         print(f"\n{_summary('full', syncs, trainer)} ({time.perf_counter() - start:.1f} s)")
+
+
+@pytest.mark.engine
+def test_grpos_own_bf16_compiled_engine_equals_a_fresh_one_with_its_settings(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, restore_env: None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """TRL's engine unchanged (bf16, compiled, as TRL starts it): after 2 GRPO steps synced through hotweights
+    (the trainer's fp32 weights cast bucket by bucket), it serves what a freshly started engine with the same
+    settings serves on the last step's weights, token for token and log-probability for log-probability."""
+    from vllm import SamplingParams
+
+    from hotweights.testing import start_reference_engine
+
+    start = time.perf_counter()
+    trainer, llm, syncs = _train(tmp_path, monkeypatch, steps=2, peft=False, trls_engine=True)
+    sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, detokenize=False, logprobs=1)
+    prompts = [{"prompt_token_ids": p} for p in GREEDY_PROMPTS]
+    try:
+        config = llm.llm_engine.vllm_config
+        assert config.model_config.dtype == torch.bfloat16 and not config.model_config.enforce_eager
+        assert [s.report.weight_version for s in syncs] == [0, 1, 2] and syncs[-1].report.cast_tensors > 0
+        assert len({tuple(map(tuple, s.vllm)) for s in syncs}) > 1, "greedy output never changed across steps"
+        live = llm.generate(prompts, sp, use_tqdm=False)
+        settings = {"tokenizer": config.model_config.tokenizer}
+    finally:
+        stop_engine(llm)
+    final = tmp_path / "final"
+    _served_model(trainer).save_pretrained(final, safe_serialization=True)
+    fresh = start_reference_engine(llm, final, **settings)
+    try:
+        reference = fresh.generate(prompts, sp, use_tqdm=False)
+    finally:
+        stop_engine(fresh)
+    assert [list(o.outputs[0].token_ids) for o in live] == [list(o.outputs[0].token_ids) for o in reference]
+    assert [o.outputs[0].cumulative_logprob for o in live] == [o.outputs[0].cumulative_logprob for o in reference]
+    with capsys.disabled():
+        print(f"\n{_summary('TRL engine', syncs, trainer)} ({time.perf_counter() - start:.1f} s)")
 
 
 @pytest.mark.engine
