@@ -117,11 +117,15 @@ class HotWeightsTrainerEngine(TrainerWeightTransferEngine[HotWeightsTrainerInitI
             self.client.update_weights({"update_id": update, "prepare": True})
         except BaseException as exc:
             self._abort(update)
-            typed = envelope.decode(exc)
-            if typed is not None:
+            if (typed := envelope.decode(exc)) is not None:
                 raise typed from exc
             raise
-        self.client.finish_weight_update(str(version))
+        try:
+            self.client.finish_weight_update(str(version))  # the commit: a failure here may leave a partial write
+        except Exception as exc:
+            if (typed := envelope.decode(exc)) is not None:
+                raise typed from exc
+            raise
         reset = getattr(self.client, "reset_prefix_cache", None)  # not part of vLLM's client protocol
         if callable(reset):
             reset()
