@@ -79,16 +79,14 @@ def test_the_staging_area_checks_each_bucket_and_tensors_by_reference() -> None:
     m = WeightUpdateManifest.from_state_dict(tensors, weight_version=1)
     staging = StagingArea(owner=None)
     staging.begin(m, check=False)
-    first, second = plan_buckets(m, bucket_bytes=32)
-    for bucket, fails in ((first, False), (second, True)):
+    for bucket in plan_buckets(m, bucket_bytes=32):  # checked beside the transfer, joined before anything is taken
         buffer = torch.zeros(bucket.nbytes, dtype=torch.uint8)
         pack_into(buffer, bucket, tensors)
         descriptor = {"transport": "bytes", "nbytes": bucket.nbytes, "data": buffer.numpy().tobytes()}
-        if fails:
-            with pytest.raises(NonFiniteWeightsError, match="checked by the engine's worker"):
-                staging.stage(m.update_id, bucket.model_dump_json(), descriptor)
-        else:
-            staging.stage(m.update_id, bucket.model_dump_json(), descriptor)
+        staging.stage(m.update_id, bucket.model_dump_json(), descriptor)
+    with pytest.raises(NonFiniteWeightsError, match=r"(?s)bucket 1 checked by the engine's worker.*'b'"):
+        staging.check_complete(m.update_id)
+    staging.check_complete(m.update_id)  # reported once; the caller aborts
     staging.begin(m, check=False)
     with pytest.raises(NonFiniteWeightsError, match=r"'b'"):
         staging.stage_by_reference(m.update_id, list(tensors.items()))

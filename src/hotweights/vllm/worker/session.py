@@ -31,7 +31,13 @@ import torch
 
 from hotweights.core import attach, envelope
 from hotweights.core.delta import DeltaManifest
-from hotweights.core.errors import DeltaBaseMismatchError, Mismatch, MismatchKind, WeightManifestValidationError
+from hotweights.core.errors import (
+    DeltaBaseMismatchError,
+    Mismatch,
+    MismatchKind,
+    NonFiniteWeightsError,
+    WeightManifestValidationError,
+)
 from hotweights.core.manifest import WeightUpdateManifest
 from hotweights.vllm.worker import kept_base as delta_state
 from hotweights.vllm.worker.staging import InstallSession, StagingArea
@@ -238,6 +244,9 @@ class WorkerSession:
             assert self.delta is not None
             try:
                 self.prepared = delta_state.prepare(self.base, self.staging, self.delta)
+            except NonFiniteWeightsError:  # a staged bucket's check: raised as it is, typed
+                self.abort()
+                raise
             except WeightManifestValidationError as exc:
                 self.abort()
                 return [{k: str(v) for k, v in dataclasses.asdict(m).items()} for m in exc.mismatches]

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import reprlib
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -33,6 +34,9 @@ if TYPE_CHECKING:
 __all__ = ["InstallSession", "StagingArea"]
 
 log = logging.getLogger("hotweights")
+
+#: One thread per worker process that checks staged buckets for NaN and Inf while the next bucket arrives.
+_CHECKS = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hotweights-finite")
 
 
 @dataclass
@@ -59,6 +63,8 @@ class InstallSession:
     digests_verified: int = 0
     check_finite: bool = True
     """Refuse a tensor holding NaN or Inf as it is staged (the session's ``allow_nonfinite`` turns it off)."""
+    checks: list[Future[None]] = field(default_factory=list)
+    """The NaN/Inf checks of staged buckets still running beside the transfer (joined before anything is taken)."""
 
     def missing(self) -> list[str]:
         return [n for n in self.manifest.tensors if n not in self.received]
@@ -145,7 +151,11 @@ class StagingArea:
                 f"bucket {bucket.index}: digest mismatch (bytes changed in transit) for {[m.name for m in bad][:5]}"
             )
         if session.check_finite:  # on the bucket's own bytes, while they are at hand; the first bad bucket refuses
-            check_finite(tensors.items(), _checked_by_worker(session, f"bucket {bucket.index}"))
+            context = _checked_by_worker(session, f"bucket {bucket.index}")
+            if session.stream is not None:  # it goes into the live model now
+                check_finite(tensors.items(), context)
+            else:  # checked beside the next bucket's transfer, joined before anything is taken
+                session.checks.append(_CHECKS.submit(check_finite, list(tensors.items()), context))
         session.digests_verified += sum(session.manifest.tensors[n].digest is not None for n in tensors)
         session.received.update(tensors)
         session.nbytes += bucket.nbytes
@@ -245,6 +255,9 @@ def _checked_by_worker(session: InstallSession, what: str) -> str:
 
 
 def _refuse_incomplete(session: InstallSession) -> None:
+    checks, session.checks = session.checks, []
+    for check in checks:
+        check.result()  # raises the first bucket's NonFiniteWeightsError
     missing = session.missing()
     if missing:
         update_id = session.manifest.update_id
