@@ -212,14 +212,11 @@ class Installer(VLLMEngineAdapter):
         dm = delta.manifest
         wire = dm.wire_manifest(delta.wire if manifest.has_digests else None)
         shared = self._shared_base() if self._shares_base else None
-        options = SessionOptions(
+        options = self._session_options(  # a delta is atomic and never read back (check_call refused the others)
+            timer,
             delta=dm.to_json(),
-            method=self.install_method,
             keep_base=self._keeps_base_on_workers and shared is None,
             shared_base=shared.descriptor() if shared is not None else None,
-            expires_s=_expiry(timer),
-            kv_reclaimable=self._kv_reclaimable,
-            allow_nonfinite=timer.allow_nonfinite,
         )
         try:
             return self._session(wire, options, delta.wire, timer)

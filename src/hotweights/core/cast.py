@@ -248,5 +248,4 @@ def uncast(items: Sequence[tuple[str, torch.Tensor]]) -> Sequence[tuple[str, tor
 
 def item_names(items: Sequence[tuple[str, torch.Tensor]]) -> list[str]:
     """The names of ``items`` without reading (casting) their tensors."""
-    source = items.source if isinstance(items, CastItems) else items
-    return [n for n, _ in source]
+    return [n for n, _ in uncast(items)]
