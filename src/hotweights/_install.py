@@ -22,7 +22,7 @@ from hotweights.core.report import InstallReport
 from hotweights.core.sharded import agree, follow, gathering, is_sharded, same_host
 from hotweights.core.sources import LocalTensors, TensorSource
 from hotweights.handles import PauseMode, as_engine
-from hotweights.transports.shm import opened_for_writes
+from hotweights.transports.shm_writes import opened_for_writes
 from hotweights.vllm import compat
 
 if TYPE_CHECKING:

@@ -38,7 +38,7 @@ from hotweights.core.manifest import TensorsLike
 from hotweights.core.report import InstallReport, PhaseTimer
 from hotweights.handles import EngineHandle, PauseMode, as_engine
 from hotweights.telemetry import best_effort, log_report
-from hotweights.transports.shm import SHM_DIR
+from hotweights.transports.shm_files import SHM_DIR
 from hotweights.versions import lora_directory_prefix
 from hotweights.vllm import compat
 

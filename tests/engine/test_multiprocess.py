@@ -35,7 +35,7 @@ from hotweights.core.buckets import Bucket, plan_buckets
 from hotweights.core.delta import DeltaBase
 from hotweights.testing import build_tiny_model, save_tiny_model
 from hotweights.transports import EngineLink, Stage, WeightTransport, make_transport
-from hotweights.transports.shm import SHM_DIR, sweep_stale
+from hotweights.transports.shm_files import SHM_DIR, sweep_stale
 from hotweights.vllm.worker.session import SessionOptions
 
 from ..conftest import poisoned, refused_as

@@ -16,7 +16,7 @@ import hotweights
 from hotweights import WeightUpdateManifest
 from hotweights.adapters import VLLMMultiprocessAdapter, VLLMWeightsPathAdapter, WeightInstallAdapter
 from hotweights.transports import make_transport
-from hotweights.transports.shm import SHM_DIR
+from hotweights.transports.shm_files import SHM_DIR
 
 from .conftest import TinyCheckpoint, Variant, greedy_vllm, our_shm, start_engine, stop_engine
 

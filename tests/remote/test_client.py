@@ -14,7 +14,7 @@ import pytest
 import hotweights
 import hotweights.handles
 from hotweights.handles.remote import RemoteHandle
-from hotweights.transports.shm import SHM_DIR
+from hotweights.transports.shm_files import SHM_DIR
 from hotweights.vllm.plugin import BACKEND
 from hotweights.vllm.worker.session import PROTOCOL
 

@@ -970,11 +970,11 @@ _SHM_KINDS = ["regular", "symlink", "directory", "fifo", "absent"]
 def test_shm_open_bucket_maps_only_hotweights_segment_files(name: str, kind: str, where: str) -> None:
     """A worker maps a regular file in SHM_DIR named like a hotweights segment; any other path in a descriptor
     (a symlink, a directory, a FIFO, another name, another directory) raises and maps nothing."""
-    from hotweights.transports import shm
+    from hotweights.transports import shm, shm_files
 
     if name in (".", ".."):
         return
-    path = shm.SHM_DIR / name
+    path = shm_files.SHM_DIR / name
     created = False
     if where == "" and not path.exists() and not path.is_symlink() and kind != "absent":
         created = True
@@ -986,7 +986,7 @@ def test_shm_open_bucket_maps_only_hotweights_segment_files(name: str, kind: str
             path.mkdir()
         else:
             os.mkfifo(path)
-    raw = f"{where}{name}" if where.startswith("/") else f"{shm.SHM_DIR}/{where}{name}"
+    raw = f"{where}{name}" if where.startswith("/") else f"{shm_files.SHM_DIR}/{where}{name}"
     try:
         try:
             buffer, _ = shm.open_bucket({"transport": "shm", "path": raw, "nbytes": 8})
@@ -995,7 +995,7 @@ def test_shm_open_bucket_maps_only_hotweights_segment_files(name: str, kind: str
         else:
             mapped = True
             assert buffer.numel() == 8
-        ok = created and kind == "regular" and shm._SEGMENT_NAME.fullmatch(name) is not None
+        ok = created and kind == "regular" and shm_files.SEGMENT_NAME.fullmatch(name) is not None
         assert mapped == ok, (raw, kind)
     finally:
         if created:

@@ -66,7 +66,7 @@ from hotweights.core.buckets import ALIGNMENT, Bucket, BucketEntry, bucket_probl
 from hotweights.core.delta import DeltaBase, DeltaManifest
 from hotweights.core.manifest import ExpectedWeights, TensorSpec
 from hotweights.serve_guard import COLLECTIVE_RPC, GuardConfig, Refusal, check_body
-from hotweights.transports import collective, shm
+from hotweights.transports import collective, shm, shm_files
 from hotweights.vllm.expected import expected_from_config
 from hotweights.vllm.worker import ops as worker_ops
 from hotweights.vllm.worker import staging as staging_mod
@@ -331,7 +331,7 @@ def _watched(worker: FuzzWorker) -> Iterator[Watch]:
 
 def _ours_in_shm() -> set[str]:
     """This process's files in SHM_DIR (the worker side must never create one)."""
-    return {p.name for p in shm.SHM_DIR.glob(f"hotweights-{os.getpid()}-*")}
+    return {p.name for p in shm_files.SHM_DIR.glob(f"hotweights-{os.getpid()}-*")}
 
 
 # ============================================================================================ the wire
@@ -438,7 +438,7 @@ hostile_text = st.sampled_from(
         "*",
         "\ud800",
         "hotweights-1-" + "f" * 32,
-        f"{shm.SHM_DIR}/{PID_SEGMENT}",
+        f"{shm_files.SHM_DIR}/{PID_SEGMENT}",
         "x" * 300,
     ]
 ) | st.text(max_size=16)
@@ -612,20 +612,20 @@ def buckets(draw: st.DrawFn, bucket: Bucket) -> tuple[Any, int]:
 
 
 SHM_PATHS = (
-    f"{shm.SHM_DIR}/{PID_SEGMENT}",
-    f"{shm.SHM_DIR}/../{shm.SHM_DIR.name}/{PID_SEGMENT}",
-    f"{shm.SHM_DIR}/./{PID_SEGMENT}",
-    f"/{shm.SHM_DIR}/{PID_SEGMENT}",
-    f"{shm.SHM_DIR}/sub/{PID_SEGMENT}",
-    f"{shm.SHM_DIR}/{PID_SEGMENT}/",
-    f"{shm.SHM_DIR}/{PID_SEGMENT}\x00",
-    f"{shm.SHM_DIR}/{PID_SEGMENT}x",
+    f"{shm_files.SHM_DIR}/{PID_SEGMENT}",
+    f"{shm_files.SHM_DIR}/../{shm_files.SHM_DIR.name}/{PID_SEGMENT}",
+    f"{shm_files.SHM_DIR}/./{PID_SEGMENT}",
+    f"/{shm_files.SHM_DIR}/{PID_SEGMENT}",
+    f"{shm_files.SHM_DIR}/sub/{PID_SEGMENT}",
+    f"{shm_files.SHM_DIR}/{PID_SEGMENT}/",
+    f"{shm_files.SHM_DIR}/{PID_SEGMENT}\x00",
+    f"{shm_files.SHM_DIR}/{PID_SEGMENT}x",
     PID_SEGMENT,
     f"./{PID_SEGMENT}",
     f"../{PID_SEGMENT}",
-    str(shm.SHM_DIR),
-    f"{shm.SHM_DIR}/",
-    f"{shm.SHM_DIR}/..",
+    str(shm_files.SHM_DIR),
+    f"{shm_files.SHM_DIR}/",
+    f"{shm_files.SHM_DIR}/..",
     "/etc/passwd",
     "/proc/self/mem",
     "/dev/zero",
@@ -635,9 +635,9 @@ SHM_PATHS = (
     ".",
     "..",
     "~/x",
-    f"{shm.SHM_DIR}/hotweights-1-" + "0" * 31,
-    f"{shm.SHM_DIR}/hotweights--" + "0" * 32,
-    f"{shm.SHM_DIR}/hotweights-1-" + "A" * 32,
+    f"{shm_files.SHM_DIR}/hotweights-1-" + "0" * 31,
+    f"{shm_files.SHM_DIR}/hotweights--" + "0" * 32,
+    f"{shm_files.SHM_DIR}/hotweights-1-" + "A" * 32,
 )
 
 
@@ -1069,10 +1069,10 @@ def _check_outcome(fx: Fixture, case: Case, out: Outcome, before: tuple[Any, ...
     assert not watch.oversized, f"an oversized bucket reached the transport: {watch.oversized}"
 
     # 5. /dev/shm: nothing created, nothing opened but segment names there
-    assert not out.left, f"left in {shm.SHM_DIR}: {sorted(out.left)}"
+    assert not out.left, f"left in {shm_files.SHM_DIR}: {sorted(out.left)}"
     for path in watch.opened:
         p = Path(path)
-        assert p.parent == shm.SHM_DIR and shm._SEGMENT_NAME.fullmatch(p.name), f"opened {path!r}"
+        assert p.parent == shm_files.SHM_DIR and shm_files.SEGMENT_NAME.fullmatch(p.name), f"opened {path!r}"
 
     # 6. a refused call keeps the worker's state, where its contract says so: a begin may drop the open session
     #    once its options and manifest are accepted (a delta's: once its options are), a prepare or commit of the
@@ -1295,7 +1295,7 @@ def test_the_watch_sees_what_a_well_formed_call_reaches(fx: Fixture, wire: str) 
     (out,) = seen
     assert out.error is None and out.value == open_buckets[0].nbytes
     (opened,) = out.watch.opened
-    assert Path(opened).parent == shm.SHM_DIR and shm._SEGMENT_NAME.fullmatch(Path(opened).name)
+    assert Path(opened).parent == shm_files.SHM_DIR and shm_files.SEGMENT_NAME.fullmatch(Path(opened).name)
     assert not Path(opened).exists() and opened.rsplit("/", 1)[1] not in _ours_in_shm()
     assert worker.hotweights_abort(OPEN_ID) is True
 

@@ -11,7 +11,8 @@ import torch
 
 from hotweights.core.manifest import WeightUpdateManifest
 from hotweights.core.rank_writes import _GATHERED, _RANKS, RankWrites
-from hotweights.transports.shm import BucketFile, _new_file, _remove, opened_for_writes
+from hotweights.transports.shm_files import new_file, remove
+from hotweights.transports.shm_writes import BucketFile, opened_for_writes
 
 
 class Shards:
@@ -76,14 +77,14 @@ def test_a_piece_names_the_dtype_the_engine_gets_when_it_differs() -> None:
 
 @pytest.fixture
 def bucket_file() -> Any:
-    _, path, fd = _new_file(512)
+    _, path, fd = new_file(512)
     try:
         yield BucketFile(path, fd, 512)
     finally:
         import os
 
         os.close(fd)
-        _remove(path)
+        remove(path)
 
 
 def _read(file: BucketFile, offset: int, shape: tuple[int, ...]) -> torch.Tensor:

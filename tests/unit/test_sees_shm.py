@@ -6,7 +6,7 @@ import secrets
 
 import pytest
 
-from hotweights.transports.shm import SHM_DIR
+from hotweights.transports.shm_files import SHM_DIR
 from hotweights.vllm.worker.extension import ENGINE_OPS
 
 

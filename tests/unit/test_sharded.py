@@ -23,7 +23,7 @@ from hotweights.core.errors import (
 )
 from hotweights.core.report import InstallReport
 from hotweights.core.sharded import Gatherer, agree, cut_of, follow, is_sharded
-from hotweights.transports.shm import opened_for_writes
+from hotweights.transports.shm_writes import opened_for_writes
 
 
 def _port() -> int:
@@ -232,7 +232,8 @@ def _lead_rank_writes(
     from hotweights.core.buckets import unpack
     from hotweights.core.manifest import WeightUpdateManifest
     from hotweights.core.rank_writes import RankWrites
-    from hotweights.transports.shm import SHM_DIR, Transport, open_bucket
+    from hotweights.transports.shm import Transport, open_bucket
+    from hotweights.transports.shm_files import SHM_DIR
 
     g = Gatherer(source, leader)
     if cut is not None:

@@ -12,7 +12,7 @@ import torch
 from hotweights.core import envelope
 from hotweights.core.delta import DeltaBase
 from hotweights.core.errors import DeltaBaseMismatchError
-from hotweights.transports import shm
+from hotweights.transports import shm_files
 from hotweights.transports.shm_base import SharedDeltaBase, map_base
 from hotweights.vllm.worker.extension import HotWeightsWorkerExtension
 from hotweights.vllm.worker.session import SessionOptions, session_of
@@ -32,7 +32,7 @@ def test_workers_read_the_trainers_copy_and_see_it_move_only_at_commit() -> None
     tensors = _tensors()
     base = SharedDeltaBase.capture(tensors, 4)
     try:
-        assert base.path.parent == shm.SHM_DIR and oct(base.path.stat().st_mode & 0o777) == "0o600"
+        assert base.path.parent == shm_files.SHM_DIR and oct(base.path.stat().st_mode & 0o777) == "0o600"
         one, two = map_base(base.descriptor()), map_base(json.loads(json.dumps(base.descriptor())))
         for mapped in (one, two):
             assert mapped.version == 4
@@ -63,7 +63,7 @@ def test_a_dropped_base_removes_its_file() -> None:
     "change",
     [
         {"path": "/tmp/not-ours"},
-        {"path": str(shm.SHM_DIR / "hotweights-1-nothex")},
+        {"path": str(shm_files.SHM_DIR / "hotweights-1-nothex")},
         {"layout": None},
         {"layout": [["a.weight", 0, [16, 8], "torch.float32"]]},  # over the header
         {"layout": [["a.weight", 64, [1 << 20, 8], "torch.float32"]]},  # past the end of the file

@@ -28,7 +28,7 @@ import torch
 
 from hotweights.core.buckets import Bucket, plan_buckets
 from hotweights.core.manifest import WeightUpdateManifest
-from hotweights.transports import EngineLink, shm
+from hotweights.transports import EngineLink, shm, shm_files
 from hotweights.vllm.worker.extension import HotWeightsWorkerExtension
 
 DEAD_PID = 999_999_999  # above any kernel's pid_max (at most 2**22): a pid no process here has
@@ -57,7 +57,7 @@ def _locked(path: Path) -> bool:
 
 
 def _ours() -> list[Path]:
-    return sorted(shm.SHM_DIR.glob(f"hotweights-{os.getpid()}-*"))
+    return sorted(shm_files.SHM_DIR.glob(f"hotweights-{os.getpid()}-*"))
 
 
 #: The start of a subprocess that sends one small bucket through the shm transport (``paths``: what it sent).
@@ -149,7 +149,7 @@ def test_a_sigkilled_trainers_files_go_with_the_next_transport() -> None:
     with _process(code) as (proc, report):
         paths = [Path(p) for p in report["paths"]]
         assert len(paths) == 2
-        shm.sweep_stale()
+        shm_files.sweep_stale()
         shm.Transport()
         assert all(p.exists() for p in paths)  # its owner is alive
         _kill(proc)
@@ -161,7 +161,7 @@ def test_a_file_a_live_process_holds_is_never_swept_whatever_its_pid() -> None:
     """A file named after a pid that does not exist here (its owner runs in another PID namespace), old, held by
     a live process: kept by every sweep; a worker's open mapping does not count as an owner once that process is
     gone."""
-    path = shm.SHM_DIR / f"hotweights-{DEAD_PID}-{uuid.uuid4().hex}"
+    path = shm_files.SHM_DIR / f"hotweights-{DEAD_PID}-{uuid.uuid4().hex}"
     code = f"""
         import fcntl, json, os, time
         fd = os.open({str(path)!r}, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
@@ -173,16 +173,16 @@ def test_a_file_a_live_process_holds_is_never_swept_whatever_its_pid() -> None:
     """
     try:
         with _process(code) as (proc, _):
-            for sweep in (shm.sweep_stale, lambda: shm.sweep_stale(min_age=60.0), shm.Transport):
+            for sweep in (shm_files.sweep_stale, lambda: shm_files.sweep_stale(min_age=60.0), shm.Transport):
                 sweep()
                 assert path.exists()
             fd = os.open(path, os.O_RDWR)  # what a worker does: open and map it, without a lock
             mapping = mmap.mmap(fd, 4096)
             os.close(fd)
-            shm.sweep_stale()
+            shm_files.sweep_stale()
             assert path.exists()
             _kill(proc)
-            assert shm.sweep_stale() == [path]  # the mapping holds the pages, not the file
+            assert shm_files.sweep_stale() == [path]  # the mapping holds the pages, not the file
             mapping.close()
     finally:
         path.unlink(missing_ok=True)
@@ -202,10 +202,10 @@ def test_an_unlocked_file_is_kept_while_the_process_it_names_runs(tmp_path: Path
         reused = tmp_path / f"hotweights-{os.getpid()}-{uuid.uuid4().hex}"
         reused.write_bytes(b"x")
         os.utime(reused, (0, 0))  # written long before this process started
-        assert shm.sweep_stale(tmp_path) == [reused]
+        assert shm_files.sweep_stale(tmp_path) == [reused]
         assert older.exists()
         _kill(proc)
-        assert shm.sweep_stale(tmp_path) == [older]
+        assert shm_files.sweep_stale(tmp_path) == [older]
 
 
 def test_a_sweep_between_creation_and_lock_makes_the_creator_start_afresh(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -224,14 +224,14 @@ def test_a_sweep_between_creation_and_lock_makes_the_creator_start_afresh(monkey
                 raise BlockingIOError  # the sweep holds it right now
         real(fd, op)
 
-    monkeypatch.setattr(shm.fcntl, "flock", flock)
-    _, path, fd = shm._new_file(64)
+    monkeypatch.setattr(shm_files.fcntl, "flock", flock)
+    _, path, fd = shm_files.new_file(64)
     try:
         assert len(raced) == 2 and path not in raced and not any(p.exists() for p in raced)
         assert path.exists() and _locked(path)
     finally:
         os.close(fd)
-        shm._remove(path)
+        shm_files.remove(path)
     assert not path.exists()
 
 
@@ -256,7 +256,7 @@ def test_a_forked_child_does_not_keep_a_killed_parents_files() -> None:
         try:
             (path,) = [Path(p) for p in report["paths"]]
             _kill(proc)
-            assert shm.sweep_stale() == [path]
+            assert shm_files.sweep_stale() == [path]
         finally:
             os.kill(child, signal.SIGKILL)
 
@@ -285,7 +285,7 @@ def test_files_are_private_whatever_the_umask() -> None:
 @pytest.mark.parametrize("kept", [False, True])
 def test_a_worker_refuses_a_file_of_another_user(kept: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     sid = uuid.uuid4().hex
-    path = shm.SHM_DIR / f"hotweights-{os.getpid()}-{sid}"
+    path = shm_files.SHM_DIR / f"hotweights-{os.getpid()}-{sid}"
     path.write_bytes(b"\0" * 8)
     descriptor: dict[str, Any] = {"transport": "shm", "path": str(path), "nbytes": 8}
     if kept:
@@ -332,7 +332,7 @@ def test_close_removes_everything_even_when_the_workers_cannot_be_told(caplog: p
         assert len(warned) == (isinstance(fails, RuntimeError))
         transport.close()  # twice: nothing left to do
         segments.close()
-    assert not [p for p in shm._LOCKS if p.name.startswith(f"hotweights-{os.getpid()}-")]  # locks released
+    assert not [p for p in shm_files._LOCKS if p.name.startswith(f"hotweights-{os.getpid()}-")]  # locks released
 
 
 def test_a_dropped_transport_takes_its_files_and_segments() -> None:
@@ -351,7 +351,7 @@ def test_a_dropped_transport_takes_its_files_and_segments() -> None:
     del transport, kept, link
     gc.collect()
     assert _ours() == []
-    assert not [p for p in shm._LOCKS if p.name.startswith(f"hotweights-{os.getpid()}-")]
+    assert not [p for p in shm_files._LOCKS if p.name.startswith(f"hotweights-{os.getpid()}-")]
 
 
 def test_the_engines_shutdown_releases_the_files() -> None:

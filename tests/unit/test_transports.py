@@ -24,6 +24,8 @@ from hotweights.transports import (
     make_transport,
     register_transport,
     shm,
+    shm_files,
+    shm_writes,
 )
 from hotweights.transports import bytes as bytes_transport
 from hotweights.vllm import compat
@@ -80,7 +82,7 @@ def _mapped_kib(address: int, field: str = "Rss") -> int:
 
 
 def _own_segments() -> list[Path]:
-    return sorted(shm.SHM_DIR.glob(f"hotweights-{os.getpid()}-*"))
+    return sorted(shm_files.SHM_DIR.glob(f"hotweights-{os.getpid()}-*"))
 
 
 # ---------------------------------------------------------------------------------------------- registry
@@ -184,10 +186,10 @@ class TestShmKeptSegments:
         assert ids_a == ids_b and len(set(ids_a)) == len(ids_a) > 2  # one segment per bucket, the same ones
         _assert_same(got_a, a)
         _assert_same(got_b, b)  # the worker's shared mapping sees the trainer's new bytes
-        assert sorted(shm._kept_segments(worker)) == sorted(ids_a)
+        assert sorted(shm_files.kept_segments(worker)) == sorted(ids_a)
         transport.close()
         assert link.calls == [("release_segments", {"ids": ids_a})]
-        assert shm._kept_segments(worker) == {}
+        assert shm_files.kept_segments(worker) == {}
 
     def test_one_segment_for_every_bucket_when_the_engine_keeps_no_view(self) -> None:
         worker = _Worker()
@@ -201,7 +203,7 @@ class TestShmKeptSegments:
         got, ids = self._install(transport, worker, tensors)
         assert len(ids) > 2 and set(ids) == {first[-1]}  # grown once to the largest bucket, then one segment
         _assert_same(got, tensors)
-        assert len(shm._kept_segments(worker)) == 1  # the outgrown segment was released in the worker too
+        assert len(shm_files.kept_segments(worker)) == 1  # the outgrown segment was released in the worker too
         transport.close()
 
     def test_a_failed_stage_drops_the_segment(self) -> None:
@@ -213,7 +215,7 @@ class TestShmKeptSegments:
         bucket = plan_buckets(_manifest(tensors), bucket_bytes=1 << 20)[0]
         with pytest.raises(RuntimeError, match="worker died"):
             transport.send(bucket, tensors, lambda d: (_ for _ in ()).throw(RuntimeError("worker died")))
-        assert shm._kept_segments(worker) == {}  # released in the worker too
+        assert shm_files.kept_segments(worker) == {}  # released in the worker too
         _, second = self._install(transport, worker, tensors, bucket_bytes=1 << 20)
         assert first != second
         transport.close()
@@ -226,11 +228,11 @@ class TestShmKeptSegments:
         got, large = self._install(transport, worker, {"w": torch.ones(4), "v": torch.ones(64)})
         assert small != large
         _assert_same(got, {"w": torch.ones(4), "v": torch.ones(64)})
-        assert list(shm._kept_segments(worker)) == large
+        assert list(shm_files.kept_segments(worker)) == large
         transport.close()
 
     def test_segment_id_must_match_the_file_name(self) -> None:
-        path = f"{shm.SHM_DIR}/hotweights-{os.getpid()}-{'a' * 32}"
+        path = f"{shm_files.SHM_DIR}/hotweights-{os.getpid()}-{'a' * 32}"
         for sid in ["b" * 32, "../x", "A" * 32]:
             with pytest.raises(ValueError, match="refusing segment"):
                 shm.open_bucket({"transport": "shm", "path": path, "nbytes": 8, "segment": sid}, _Worker())
@@ -243,9 +245,9 @@ class TestShmKeptSegments:
         if child == 0:
             os._exit(0)
         os.waitpid(child, 0)  # a pid that no longer exists
-        segments = shm._kept_segments(worker)
+        segments = shm_files.kept_segments(worker)
         segments[ids[0]] = (child, segments[ids[0]][1])
-        assert shm.release_segments(worker, []) == 1
+        assert shm_files.release_segments(worker, []) == 1
         assert segments == {}
         transport.close()
 
@@ -265,7 +267,7 @@ class TestShm:
             assert descriptor["transport"] == "shm"
             path = Path(descriptor["path"])
             paths.append(path)
-            assert path.parent == shm.SHM_DIR
+            assert path.parent == shm_files.SHM_DIR
             assert path.name.startswith(f"hotweights-{os.getpid()}-")
             st_ = path.stat()
             assert stat.S_IMODE(st_.st_mode) == 0o600
@@ -283,7 +285,7 @@ class TestShm:
                 assert not paths[-1].exists()
         assert len(paths) == len(plan) == len(set(paths))
         assert _own_segments() == []
-        assert not set(paths) & shm._LIVE
+        assert not set(paths) & shm_files._LIVE
         _assert_same(received, tensors)  # the mappings outlived the files
 
     @pytest.mark.parametrize("how", ["gathered", "short writes", "copied"])
@@ -292,7 +294,7 @@ class TestShm:
         if how == "copied":  # a non-contiguous tensor: the bucket is copied into a mapping instead of gathered
             tensors["layer.0.w"] = tensors["layer.0.w"].t()
         if how == "short writes":  # 2 views per call, and each call writes at most 100 bytes
-            monkeypatch.setattr(shm, "_IOV_MAX", 2)
+            monkeypatch.setattr(shm_writes, "_IOV_MAX", 2)
             real = os.pwritev
 
             def short(fd: int, views: list[memoryview], off: int) -> int:
@@ -374,7 +376,7 @@ class TestShm:
         pid = os.fork()
         if pid == 0:  # what a child that inherited the registries runs at its exit (or on close)
             try:
-                shm._unlink_live()
+                shm_files._unlink_live()
                 transport.close()
             finally:
                 os._exit(0)
@@ -384,7 +386,7 @@ class TestShm:
         assert _own_segments() == []
 
     def test_no_reuse_where_shared_memory_is_small(self, monkeypatch: Any) -> None:
-        monkeypatch.setattr(shm, "SHM_DIR", Path("/nonexistent"))
+        monkeypatch.setattr(shm_files, "SHM_DIR", Path("/nonexistent"))
         assert shm._reuse_budget() == 0
 
     def test_descriptor_is_plain_data(self) -> None:
@@ -413,7 +415,7 @@ class TestShm:
         assert info.value is boom
         assert len(paths) == 1
         assert not paths[0].exists()
-        assert paths[0] not in shm._LIVE
+        assert paths[0] not in shm_files._LIVE
         assert _own_segments() == []
 
     def test_buckets_fit_a_small_shm_filesystem(self, monkeypatch: Any) -> None:
@@ -421,7 +423,7 @@ class TestShm:
         /dev/shm: 8 MiB, which the adapters' 16 MiB floor raises)."""
         from hotweights.core.buckets import default_bucket_bytes
 
-        real = os.statvfs(shm.SHM_DIR)
+        real = os.statvfs(shm_files.SHM_DIR)
         assert shm.Transport().preferred_bucket_bytes == min(128 << 20, real.f_blocks * real.f_frsize // 8)
 
         class Small:
@@ -469,7 +471,7 @@ class TestShm:
         "name", ["other-file", "xhotweights-1-a", "sub/hotweights-1-a", "../hotweights-1-a", "../tmp/hotweights-1-a"]
     )
     def test_open_bucket_refuses_foreign_paths_before_opening(self, name: str) -> None:
-        path = str(shm.SHM_DIR) + "/" + name  # none of these exists: opening would raise FileNotFoundError
+        path = str(shm_files.SHM_DIR) + "/" + name  # none of these exists: opening would raise FileNotFoundError
         with pytest.raises(ValueError, match="refusing to map"):
             shm.open_bucket({"transport": "shm", "path": path, "nbytes": 8})
 
@@ -477,7 +479,7 @@ class TestShm:
     def test_open_bucket_maps_only_regular_segment_files(self, kind: str, tmp_path: Path) -> None:
         """Engine side: a descriptor names a regular file in SHM_DIR with a segment's own name, or is refused."""
         name = f"hotweights-{os.getpid()}-{'e' * 32}"
-        path = shm.SHM_DIR / name
+        path = shm_files.SHM_DIR / name
         target = tmp_path / "secret"
         target.write_bytes(b"\1" * 64)
         descriptor: dict[str, Any] = {"transport": "shm", "path": str(path), "nbytes": 8}
@@ -491,7 +493,7 @@ class TestShm:
             elif kind == "fifo":
                 os.mkfifo(path)  # opening it for reading would block without O_NONBLOCK
             elif kind == "wrong-name":
-                descriptor["path"] = str(shm.SHM_DIR / f"hotweights-{os.getpid()}-notahexid")
+                descriptor["path"] = str(shm_files.SHM_DIR / f"hotweights-{os.getpid()}-notahexid")
                 Path(descriptor["path"]).write_bytes(b"\0" * 8)
             else:
                 descriptor["path"] = str(target)
@@ -555,10 +557,10 @@ class TestShm:
         other = tmp_path / f"other-{DEAD_PID}-abc"
         for p in (dead, mine, odd, other):
             p.write_bytes(b"x")
-        assert shm.sweep_stale(tmp_path) == [dead]
+        assert shm_files.sweep_stale(tmp_path) == [dead]
         assert not dead.exists()
         assert mine.exists() and odd.exists() and other.exists()
-        assert shm.sweep_stale(tmp_path) == []
+        assert shm_files.sweep_stale(tmp_path) == []
 
 
 # ---------------------------------------------------------------------------------------------- bytes

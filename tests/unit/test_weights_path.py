@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 
 from hotweights.adapters.weights_path import _write_safetensors
 from hotweights.core.cast import CastItems
-from hotweights.transports.shm import SHM_DIR, sweep_stale
+from hotweights.transports.shm_files import SHM_DIR, sweep_stale
 
 
 def test_the_checkpoint_written_is_what_safetensors_and_vllm_read(tmp_path: Path) -> None:

@@ -23,7 +23,7 @@ from hotweights.core.errors import EngineNotSupportedError
 from hotweights.core.finite import check_finite
 from hotweights.core.manifest import _ST_DTYPES, WeightUpdateManifest, dtype_from_str
 from hotweights.handles import EngineHandle
-from hotweights.transports.shm import SHM_DIR, sweep_stale
+from hotweights.transports.shm_files import SHM_DIR, sweep_stale
 from hotweights.vllm import compat
 
 if TYPE_CHECKING:

@@ -47,7 +47,7 @@ _RANKS = -3  # the owner key of buckets the ranks write
 
 
 class PieceFile(Protocol):
-    """A bucket's file open for writes at offsets (:class:`hotweights.transports.shm.BucketFile`)."""
+    """A bucket's file open for writes at offsets (:class:`hotweights.transports.shm_writes.BucketFile`)."""
 
     path: str
     descriptor: dict[str, Any]
@@ -56,7 +56,7 @@ class PieceFile(Protocol):
     def write(self, data: torch.Tensor, offset: int, shape: Sequence[int], dim: int = 0, start: int = 0) -> None: ...
 
 
-#: How a rank opens the leader's bucket file by its path (:func:`hotweights.transports.shm.opened_for_writes`).
+#: How a rank opens the leader's bucket file by its path (:func:`hotweights.transports.shm_writes.opened_for_writes`).
 OpenFile = Callable[[str], AbstractContextManager[PieceFile]]
 #: The leader's file for a bucket the ranks write: ``with written(bucket) as file`` (the shm transport's).
 Written = Callable[[Bucket], AbstractContextManager[PieceFile]]

@@ -287,7 +287,7 @@ class RemoteHandle(EngineHandle):
     def _prove_same_host(self) -> bool | None:
         """True when every worker read back a file made here in shared memory, False when one did not; None when
         the server cannot say."""
-        from hotweights.transports.shm import SHM_DIR
+        from hotweights.transports.shm_files import SHM_DIR
 
         name, nonce = f"hotweights-proof-{secrets.token_hex(16)}", secrets.token_hex(16)
         path = SHM_DIR / name

@@ -28,6 +28,7 @@ import torch
 
 from hotweights.core.delta import DeltaBase, StagedDelta
 from hotweights.core.manifest import dtype_from_str, dtype_to_str
+from hotweights.transports import shm_files
 
 __all__ = ["MappedBase", "SharedDeltaBase", "map_base"]
 
@@ -44,18 +45,16 @@ class SharedDeltaBase(DeltaBase):
     """
 
     def __init__(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
-        from hotweights.transports import shm
-
         layout: list[tuple[str, int, tuple[int, ...], str]] = []
         offset = _HEADER
         for name, t in tensors.items():
             layout.append((name, offset, tuple(t.shape), dtype_to_str(t.dtype)))
             offset += -(-t.numel() * t.element_size() // _ALIGN) * _ALIGN
-        _, path, fd = shm._new_file(max(offset, _HEADER))
+        _, path, fd = shm_files.new_file(max(offset, _HEADER))
         try:
             mm = mmap.mmap(fd, max(offset, _HEADER))
         except BaseException:
-            shm._remove(path)
+            shm_files.remove(path)
             raise
         finally:
             os.close(fd)
@@ -122,15 +121,13 @@ class MappedBase:
 def map_base(descriptor: Mapping[str, Any]) -> MappedBase:
     """Map the base file ``descriptor`` names (a hotweights file of this user in ``/dev/shm``, as for buckets),
     read-only; raises ``ValueError`` for anything else."""
-    from hotweights.transports import shm
-
     path = Path(str(descriptor.get("path", "")))
-    if path.parent != shm.SHM_DIR or not shm._SEGMENT_NAME.fullmatch(path.name):
-        raise ValueError(f"refusing to map {path}: not a hotweights file in {shm.SHM_DIR}")
+    if not shm_files.is_segment(path):
+        raise ValueError(f"refusing to map {path}: not a hotweights file in {shm_files.SHM_DIR}")
     raw = descriptor.get("layout")
     if not isinstance(raw, list):
         raise ValueError("a shared delta base needs its layout (a list of [name, offset, shape, dtype])")
-    fd = shm._open_segment(shm.SHM_DIR / path.name, os.O_RDONLY)
+    fd = shm_files.open_segment(shm_files.SHM_DIR / path.name, os.O_RDONLY)
     try:
         size = os.fstat(fd).st_size
         layout: list[tuple[str, int, tuple[int, ...], str]] = []
@@ -171,8 +168,6 @@ def _views(
 
 
 def _release(mm: mmap.mmap, path: Path) -> None:
-    from hotweights.transports import shm
-
-    shm._remove(path)
+    shm_files.remove(path)
     with contextlib.suppress(BufferError):  # views still alive: the pages go with them
         mm.close()

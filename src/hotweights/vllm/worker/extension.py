@@ -172,7 +172,7 @@ def _leave_group(worker: Any) -> bool:
 
 def _release_segments(worker: Any, ids: list[str] | None = None) -> int:
     """Unmap kept shm segments (``ids``, or all), and those of trainers that are gone; returns how many."""
-    from hotweights.transports.shm import release_segments
+    from hotweights.transports.shm_files import release_segments
 
     return release_segments(worker, ids)
 
@@ -189,7 +189,7 @@ PROOF_NAME = re.compile(r"hotweights-proof-[0-9a-f]{32}")
 def _sees_shm(worker: Any, name: str) -> str:
     """The content (at most 64 characters) of the trainer's proof file ``name`` (:data:`PROOF_NAME`, nothing else)
     in this host's shared memory; ``""`` where this worker does not see it (another host, another container)."""
-    from hotweights.transports.shm import SHM_DIR
+    from hotweights.transports.shm_files import SHM_DIR
 
     if not isinstance(name, str) or not PROOF_NAME.fullmatch(name):
         raise ValueError("sees_shm reads only a trainer's proof file, hotweights-proof-<32 hex digits>")

@@ -177,7 +177,7 @@ class WorkerSession:
             update_id,
             seconds,
         )
-        from hotweights.transports.shm import sweep_stale
+        from hotweights.transports.shm_files import sweep_stale
 
         sweep_stale()  # the bucket files of a trainer that is gone
 
