@@ -20,15 +20,8 @@ from hotweights import (
 )
 from hotweights.adapters import WeightInstallAdapter
 from hotweights.adapters.options import PathAbilities
-from hotweights.core.delta import (
-    DeltaBase,
-    DeltaManifest,
-    EncodedDelta,
-    StagedDelta,
-    delta_problems,
-    reinstall_names,
-    sparse_is_smaller,
-)
+from hotweights.core.delta import DeltaBase, EncodedDelta, StagedDelta, reinstall_names
+from hotweights.core.delta_wire import DeltaManifest, delta_problems, sparse_is_smaller
 from hotweights.core.report import PhaseTimer
 
 FUZZ = settings(deadline=None)

@@ -63,7 +63,8 @@ from safetensors.torch import save_file
 
 from hotweights import HotWeightsError, WeightManifestValidationError, WeightUpdateManifest
 from hotweights.core.buckets import ALIGNMENT, Bucket, BucketEntry, bucket_problems, pack_into, plan_buckets
-from hotweights.core.delta import DeltaBase, DeltaManifest
+from hotweights.core.delta import DeltaBase
+from hotweights.core.delta_wire import DeltaManifest
 from hotweights.core.manifest import ExpectedWeights, TensorSpec
 from hotweights.serve_guard import COLLECTIVE_RPC, GuardConfig, Refusal, check_body
 from hotweights.transports import collective, shm, shm_files
@@ -1450,7 +1451,7 @@ def test_a_rendezvous_timeout_beyond_float_is_refused_and_keeps_the_group(fx: Fi
 def test_a_delta_cannot_claim_more_wire_bytes_than_the_model_holds() -> None:
     """A delta's wire tensors are bounded by the worker's copy before anything is staged: a hostile count is refused
     (the collective transport would otherwise allocate it)."""
-    from hotweights.core.delta import DeltaEntry
+    from hotweights.core.delta_wire import DeltaEntry
 
     worker = HotWeightsWorkerExtension()
     base = WeightUpdateManifest.from_state_dict({"w": torch.zeros(4)}, weight_version=0)

@@ -25,7 +25,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from hotweights.core.delta import DeltaBase, DeltaManifest, StagedDelta
+from hotweights.core.delta import DeltaBase, StagedDelta
+from hotweights.core.delta_wire import DeltaManifest
 from hotweights.core.manifest import TensorSpec, WeightUpdateManifest
 from hotweights.transports.shm_base import MappedBase, map_base
 

@@ -30,7 +30,7 @@ import pydantic
 import torch
 
 from hotweights.core import attach, envelope
-from hotweights.core.delta import DeltaManifest
+from hotweights.core.delta_wire import DeltaManifest
 from hotweights.core.errors import (
     DeltaBaseMismatchError,
     Mismatch,
@@ -71,7 +71,7 @@ class SessionOptions(pydantic.BaseModel):
     method: Literal["auto", "direct", "reload", "aside"] = "auto"
     commit: Literal["atomic", "streaming"] = "atomic"
     delta: str | None = pydantic.Field(default=None, max_length=64 << 20)
-    """A :class:`~hotweights.core.delta.DeltaManifest` (JSON): apply it to the kept copy instead."""
+    """A :class:`~hotweights.core.delta_wire.DeltaManifest` (JSON): apply it to the kept copy instead."""
     shared_base: dict[str, Any] | None = None
     """The trainer's copy in shared memory (:meth:`~hotweights.transports.shm_base.SharedDeltaBase.descriptor`):
     a delta applies to it, and no worker keeps a copy of its own."""
