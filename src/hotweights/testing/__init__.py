@@ -3,6 +3,10 @@
 Used by hotweights' own tests, demo and benchmarks, and meant for users' tests too: build two tiny checkpoints,
 start an engine on one, install the other, and compare greedy outputs with a fresh engine.
 
+A trainer's unit tests that need no vLLM at all use :class:`hotweights.fake.FakeEngine` instead: a stand-in that
+serves a state dict and takes ``hotweights.install`` in a millisecond, recording every session call (not a vLLM
+engine: it proves the trainer's calls, not vLLM's behaviour).
+
 Example:
     >>> from hotweights.testing import build_tiny_model               # doctest: +SKIP
     >>> model = build_tiny_model("qwen2", seed=1)                      # doctest: +SKIP
