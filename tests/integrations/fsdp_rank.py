@@ -56,9 +56,9 @@ def _counting_gathers(stats: dict[str, int]) -> None:
         counted(out)
         return out
 
-    from hotweights.core import sharded
+    from hotweights.core import gathers, sharded
 
-    original_rows = sharded._gather_rows
+    original_rows = gathers.gather_rows
     parts: weakref.WeakSet[torch.Tensor] = weakref.WeakSet()
 
     def gather_rows(tensor: Any, start: int, stop: int, group: Any, index: int) -> Any:
@@ -83,7 +83,7 @@ def _counting_gathers(stats: dict[str, int]) -> None:
 
     dist.gather = gather
     DTensor.full_tensor = full_tensor  # type: ignore[method-assign]
-    sharded._gather_rows = gather_rows  # type: ignore[assignment]
+    gathers.gather_rows = gather_rows  # type: ignore[assignment]
     sharded.write_for_leader = write_for_leader  # type: ignore[assignment]
 
 

@@ -22,7 +22,8 @@ from hotweights.core.errors import (
     WeightManifestValidationError,
 )
 from hotweights.core.report import InstallReport
-from hotweights.core.sharded import Gatherer, agree, cut_of, follow, is_sharded
+from hotweights.core.sharded import Gatherer, agree, follow, is_sharded
+from hotweights.core.shards import cut_of
 from hotweights.transports.shm_writes import opened_for_writes
 
 
@@ -92,16 +93,16 @@ def _run(rank: int, port: int, results: Any) -> None:
 
     # 1b. Views of a fused tensor larger than the parts bound: read from parts of the rows they span (one row of
     # 192 bytes here, two for the view across the ranks), each gathered alone; never the whole tensor.
-    from hotweights.core import sharded
+    from hotweights.core import gathers
 
     parts: list[tuple[int, int]] = []
-    original = sharded._gather_rows
+    original = gathers.gather_rows
 
     def gather_rows(tensor: Any, start: int, stop: int, group: Any, index: int) -> Any:
         parts.append((start, stop))
         return original(tensor, start, stop, group, index)
 
-    sharded._gather_rows = gather_rows  # type: ignore[assignment]
+    gathers.gather_rows = gather_rows  # type: ignore[assignment]
     leader = agree(items, 6, rank == 0)
     if rank == 0:
         g = Gatherer(items, leader)
@@ -116,7 +117,7 @@ def _run(rank: int, port: int, results: Any) -> None:
         g.finish(_report(6))
     else:
         follow(items, leader)
-    sharded._gather_rows = original  # type: ignore[assignment]
+    gathers.gather_rows = original  # type: ignore[assignment]
     out["parts"] = parts
 
     # 2. The leader's typed error reaches the other rank as the same class and message.

@@ -26,7 +26,7 @@ import json
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -34,11 +34,18 @@ import torch.distributed as dist
 from hotweights.core.buckets import Bucket, Packer
 from hotweights.core.errors import InstallError
 from hotweights.core.manifest import WeightUpdateManifest, dtype_from_str
+from hotweights.core.shards import device_of, local_rows, local_view
 
-if TYPE_CHECKING:
-    from hotweights.core.sharded import Gatherer
-
-__all__ = ["WRITE", "OpenFile", "PieceFile", "RankWrites", "write_for_leader", "write_pieces"]
+__all__ = [
+    "WRITE",
+    "Channel",
+    "OpenFile",
+    "PieceFile",
+    "RankWrites",
+    "ShardedSource",
+    "write_for_leader",
+    "write_pieces",
+]
 
 #: The leader's command: the ranks named in the payload write their pieces of a bucket.
 WRITE = -2
@@ -62,13 +69,47 @@ OpenFile = Callable[[str], AbstractContextManager[PieceFile]]
 Written = Callable[[Bucket], AbstractContextManager[PieceFile]]
 
 
-class RankWrites:
-    """The leader's side (made by :meth:`Gatherer.rank_writes`)."""
+class Channel(Protocol):
+    """The leader's commands to every rank of the group (:class:`hotweights.core.gathers.Gathers`)."""
 
-    def __init__(self, gatherer: Gatherer, items: Mapping[str, torch.Tensor]) -> None:
+    @property
+    def group(self) -> Any:
+        """The process group (None: the default one)."""
+
+    @property
+    def device(self) -> torch.device:
+        """Where the group's messages live."""
+
+    @property
+    def sources(self) -> Sequence[tuple[str, Any]]:
+        """The ``(name, tensor)`` pairs every rank passed, in the same order on every rank."""
+
+    def announce(self, value: int, start: int, message: dict[str, Any]) -> None:
+        """A command with a JSON ``message``, to every rank."""
+
+
+class ShardedSource(Protocol):
+    """What the leader's side asks of a sharded install's source (:class:`hotweights.core.sharded.Gatherer`)."""
+
+    @property
+    def channel(self) -> Channel:
+        """Its commands to every rank."""
+
+    def shares_of(self, tensor: torch.Tensor) -> tuple[int, list[tuple[int, int, int]], int] | None:
+        """A placeholder's index, who holds which rows (group rank, first row, end row) and of which dimension."""
+
+    def view_of_rank(self, tensor: torch.Tensor) -> tuple[int, int, list[list[int]]] | None:
+        """A view's tensor index, the one rank holding its rows, and the view into that rank's shard."""
+
+
+class RankWrites:
+    """The leader's side (made by :meth:`hotweights.core.sharded.Gatherer.rank_writes`)."""
+
+    def __init__(self, gatherer: ShardedSource, items: Mapping[str, torch.Tensor]) -> None:
         self.gatherer = gatherer
+        self.channel = gatherer.channel
         self.items = items  # checkpoint name -> placeholder
-        self.me = dist.get_rank(gatherer.group)
+        self.me = dist.get_rank(self.channel.group)
         self.owner: dict[int, int] = {}  # bucket index -> _GATHERED (the leader gathers) or _RANKS
         self.pieces: dict[str, list[tuple[int, dict[str, Any]]]] = {}  # checkpoint name -> (rank, piece) each
 
@@ -141,18 +182,18 @@ class RankWrites:
                 piece = {**piece, "offset": entry.offset}
                 (mine if rank == self.me else theirs.setdefault(str(rank), [])).append(piece)
         if theirs:
-            self.gatherer.announce(WRITE, -1, {"path": file.path, "pieces": theirs})
+            self.channel.announce(WRITE, -1, {"path": file.path, "pieces": theirs})
         failed: list[BaseException] = []
         aside = None
         if meanwhile is not None:
             aside = threading.Thread(target=_catching, args=(meanwhile, failed), name="hotweights-stage", daemon=True)
             aside.start()
         try:
-            write_pieces(file, mine, self.gatherer.sources, self.gatherer.group)
+            write_pieces(file, mine, self.channel.sources, self.channel.group)
         finally:  # every rank named answers, whatever happened here: none is left waiting
             if aside is not None:
                 aside.join()
-            answers = {int(r): _receive(int(r), self.gatherer) for r in theirs}
+            answers = {int(r): _receive(int(r), self.channel) for r in theirs}
         if failed:
             raise failed[0]
         for rank, answer in answers.items():
@@ -175,8 +216,6 @@ def _catching(call: Callable[[], None], failed: list[BaseException]) -> None:
 def write_pieces(file: PieceFile, pieces: list[dict[str, Any]], items: Sequence[tuple[str, Any]], group: Any) -> int:
     """This rank's ``pieces`` (views of its shards: nothing is copied before the write, except a piece cast to the
     engine's ``dtype``, one piece at a time) written into ``file``; returns the bytes written."""
-    from hotweights.core.sharded import local_rows, local_view
-
     written = 0
     for piece in pieces:
         name, source = items[piece["source"]]
@@ -195,7 +234,7 @@ def write_pieces(file: PieceFile, pieces: list[dict[str, Any]], items: Sequence[
     return written
 
 
-def _receive(rank: int, g: Gatherer) -> dict[str, Any]:
+def _receive(rank: int, g: Channel) -> dict[str, Any]:
     """Rank ``rank``'s answer (JSON: its length, then its bytes)."""
     src = dist.get_global_rank(g.group, rank) if g.group is not None else rank
     size = torch.empty(1, dtype=torch.int64, device=g.device)
@@ -211,9 +250,7 @@ def write_for_leader(
     message: Mapping[str, Any], items: Sequence[tuple[str, Any]], leader: int, group: Any, open_file: OpenFile | None
 ) -> None:
     """Rank ``r``'s step 2: write its pieces of the bucket the leader named into the leader's file, then answer."""
-    from hotweights.core.sharded import _device
-
-    device = _device(group)
+    device = device_of(group)
     try:
         if open_file is None:
             raise InstallError("this rank was given nothing to open the leader's bucket files with")
