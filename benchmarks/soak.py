@@ -30,7 +30,7 @@ sample (the buckets the default transports keep for reuse) and none after the en
 This soak found that an install's calls (``is_sleeping``, ``collective_rpc``) and the generating thread's
 ``add_request`` raced on the ``LLM`` core client's zmq socket, which aborts the process (libzmq: ``Assertion
 failed: !_current_out (src/router.cpp:166)``); hotweights now serialises those sends itself
-(``compat.serialize_core_sends``), and the soak runs hotweights as shipped.
+(``patches.serialize_core_sends``), and the soak runs hotweights as shipped.
 
 Run: ``.venv/bin/python benchmarks/soak.py`` (the full profile: 1,000 installs, a sample every 100) or
 ``.venv/bin/python benchmarks/soak.py --profile ci`` (100 installs, every 25: about 2 minutes on 2 cores, most

@@ -1,13 +1,15 @@
 """The vLLM contract: every vLLM internal hotweights relies on, and a checker that reads vLLM's source for them.
 
 :data:`CONTRACT` lists each module, class, function, method, attribute, literal and HTTP route that
-:mod:`~hotweights.vllm.compat`, :mod:`~hotweights.vllm.worker.setter`, :mod:`~hotweights.vllm.worker.ops`,
-:mod:`~hotweights.vllm.worker.readback`, :mod:`~hotweights.vllm.worker.transfer_backend`, :mod:`~hotweights.vllm.plugin`
-and the engine handles reach, with the parameters hotweights passes and the hotweights function that needs it.
+:mod:`~hotweights.vllm.introspect`, :mod:`~hotweights.vllm.patches`, :mod:`~hotweights.vllm.rpc`,
+:mod:`~hotweights.vllm.fixes`, :mod:`~hotweights.vllm.nccl_gloo`, :mod:`~hotweights.vllm.worker.runner`,
+:mod:`~hotweights.vllm.worker.setter`, :mod:`~hotweights.vllm.worker.ops`, :mod:`~hotweights.vllm.worker.readback`,
+:mod:`~hotweights.vllm.worker.transfer_backend`, :mod:`~hotweights.vllm.plugin` and the engine handles reach, with
+the parameters hotweights passes and the hotweights function that needs it.
 :func:`check` parses the source with :mod:`ast` only: vLLM is never imported, so a wheel built for any platform
 (downloaded with ``pip download --no-deps``) can be checked on any machine. It needs the standard library,
-``packaging``, and :data:`hotweights.vllm.compat.VLLM_FIXES` (the vLLM versions each mend of vLLM's reload is for:
-the entries of what a mend patches hold over that range; compat imports without vLLM).
+``packaging``, and :data:`hotweights.vllm.fixes.VLLM_FIXES` (the vLLM versions each mend of vLLM's reload is for:
+the entries of what a mend patches hold over that range; that module imports without vLLM).
 
 Run it from the repository root (a tool of the repository, not part of the installed package)::
 
@@ -35,7 +37,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Literal
 
-from hotweights.vllm.compat import VLLM_FIXES
+from hotweights.vllm.fixes import VLLM_FIXES
 
 __all__ = ["CONTRACT", "Entry", "Result", "SourceTree", "check", "download_wheel", "installed_source", "main"]
 
@@ -56,7 +58,7 @@ class Entry:
     keyword (a route's query or body parameters). ``forwarded``: the callable passes ``*args``/``**kwargs`` on,
     so they may take what is not named. ``optional``: hotweights checks for it first (absence is reported, not a
     failure). ``coroutine``: it must (True) or must not (False) be ``async def``. ``vllm``: the vLLM versions the
-    entry holds for (a PEP 440 specifier, e.g. ``"<0.34"``; empty: every version), where ``compat`` picks between
+    entry holds for (a PEP 440 specifier, e.g. ``"<0.34"``; empty: every version), where hotweights picks between
     two homes of the same thing by feature detection.
     """
 
@@ -107,7 +109,7 @@ _e = Entry  # short, for the table
 
 
 def _mend(name: str) -> str:
-    """The vLLM versions whose reload needs hotweights' mend ``name`` (``compat.VLLM_FIXES``): what the mend patches
+    """The vLLM versions whose reload needs hotweights' mend ``name`` (``fixes.VLLM_FIXES``): what the mend patches
     must exist in each of them, and nowhere else is it asked for."""
     return str(VLLM_FIXES[name].vllm)
 
@@ -141,7 +143,7 @@ _NCCL_COMMON = "vllm.distributed.weight_transfer.nccl_common"
 _NCCL_ENGINE = "vllm.distributed.weight_transfer.nccl_engine"
 _PACKED = "vllm.distributed.weight_transfer.packed_tensor"
 _ROUTES = "vllm.entrypoints"
-#: ``vllm.LLM`` methods that run the engine (compat.GENERATION_METHODS): gated when present.
+#: ``vllm.LLM`` methods that run the engine (patches.GENERATION_METHODS): gated when present.
 _GENERATION = ("generate", "chat", "beam_search", "encode", "embed", "classify", "score", "reward")
 _DIRECT_MODELS = (
     ("qwen2", "Qwen2ForCausalLM"),
@@ -152,34 +154,53 @@ _DIRECT_MODELS = (
 
 #: Every vLLM internal hotweights relies on (checked against vLLM 0.32).
 CONTRACT: tuple[Entry, ...] = (
-    # --- engine objects: compat.py, handles/llm.py, handles/async_llm.py, handles/sleep.py
-    _e(_LLM, "LLM", "class", "compat.engine_kind", "the engine object a caller passes"),
-    _e(_LLM, "LLM.llm_engine", "attribute", "compat._llm_engine", "its LLMEngine: config, core client, executor"),
+    # --- engine objects: introspect.py, patches.py, rpc.py, handles/llm.py, handles/async_llm.py, handles/sleep.py
+    _e(_LLM, "LLM", "class", "introspect.engine_kind", "the engine object a caller passes"),
+    _e(_LLM, "LLM.llm_engine", "attribute", "introspect.llm_engine", "its LLMEngine: config, core client, executor"),
     _e(
         _LLM,
         "LLM.collective_rpc",
         "method",
-        "compat.rpc",
+        "rpc.rpc",
         "every worker call",
         args=("method",),
         kwargs=("timeout", "args", "kwargs"),
     ),
-    _e(_LLM, "LLM.reset_prefix_cache", "method", "compat.reset_prefix_cache", "drops prefixes of the old weights"),
-    _e(_LLM, "LLM._run_engine", "method", "compat._gate_requests", "wrapped: a hand-added request holds the gate"),
+    _e(_LLM, "LLM.reset_prefix_cache", "method", "introspect.reset_prefix_cache", "drops prefixes of the old weights"),
+    _e(_LLM, "LLM._run_engine", "method", "patches._gate_requests", "wrapped: a hand-added request holds the gate"),
     *(
-        _e(_LLM, f"LLM.{m}", "method", "compat.serving_gate", "wrapped: kept off the weights", optional=m != "generate")
+        _e(
+            _LLM,
+            f"LLM.{m}",
+            "method",
+            "patches.serving_gate",
+            "wrapped: kept off the weights",
+            optional=m != "generate",
+        )
         for m in _GENERATION
     ),
     _e(_LLM, "LLM.sleep", "method", "handles.sleep.SleepTracker", "wrapped: reads `level`", args=("level",)),
     _e(_LLM, "LLM.wake_up", "method", "handles.sleep.SleepTracker", "wrapped: reads `tags`", args=("tags",)),
-    _e(_ENGINE, "LLMEngine.engine_core", "attribute", "compat.engine_kind, compat.engine_mode", "the core client"),
-    _e(_ENGINE, "LLMEngine.vllm_config", "attribute", "compat.worker_extension, compat.num_workers", "engine config"),
-    _e(_ENGINE, "LLMEngine.model_config", "attribute", "compat.engine_dtype, engine_model_config", "model config"),
-    _e(_ENGINE, "LLMEngine.model_executor", "attribute", "compat.inprocess_model", "the in-process executor"),
-    _e(_ENGINE, "LLMEngine.has_unfinished_requests", "method", "compat.has_unfinished_requests", "gate idleness"),
-    _e(_ENGINE, "LLMEngine.is_sleeping", "method", "compat.is_sleeping", "coarse sleep report", optional=True),
-    _e(_ENGINE, "LLMEngine.add_request", "method", "compat._gate_requests", "wrapped: a hand-added request is gated"),
-    _e(_ENGINE, "LLMEngine.step", "method", "compat._gate_requests", "wrapped: releases a hand-driven hold"),
+    _e(
+        _ENGINE,
+        "LLMEngine.engine_core",
+        "attribute",
+        "introspect.engine_kind, introspect.engine_mode",
+        "the core client",
+    ),
+    _e(
+        _ENGINE,
+        "LLMEngine.vllm_config",
+        "attribute",
+        "introspect.worker_extension, introspect.num_workers",
+        "engine config",
+    ),
+    _e(_ENGINE, "LLMEngine.model_config", "attribute", "introspect.engine_dtype, engine_model_config", "model config"),
+    _e(_ENGINE, "LLMEngine.model_executor", "attribute", "introspect.inprocess_model", "the in-process executor"),
+    _e(_ENGINE, "LLMEngine.has_unfinished_requests", "method", "introspect.has_unfinished_requests", "gate idleness"),
+    _e(_ENGINE, "LLMEngine.is_sleeping", "method", "introspect.is_sleeping", "coarse sleep report", optional=True),
+    _e(_ENGINE, "LLMEngine.add_request", "method", "patches._gate_requests", "wrapped: a hand-added request is gated"),
+    _e(_ENGINE, "LLMEngine.step", "method", "patches._gate_requests", "wrapped: releases a hand-driven hold"),
     # --- LoRA adapters alone (hotweights.install_lora)
     _e(
         _ENGINE,
@@ -191,47 +212,53 @@ CONTRACT: tuple[Entry, ...] = (
     ),
     _e(_ASYNC, "AsyncLLM.add_lora", "method", "handles.async_llm.AsyncLLMHandle.add_lora", "", args=("lora_request",)),
     *(
-        _e("vllm.lora.request", f"LoRARequest.{a}", "attribute", "compat.lora_request", "built by hotweights")
+        _e("vllm.lora.request", f"LoRARequest.{a}", "attribute", "introspect.lora_request", "built by hotweights")
         for a in ("lora_name", "lora_int_id", "lora_path", "load_inplace")
     ),
-    _e(_VLLM_CONFIG, "VllmConfig.lora_config", "attribute", "compat.max_lora_rank", "None without enable_lora"),
-    _e("vllm.config.lora", "LoRAConfig.max_lora_rank", "attribute", "compat.max_lora_rank", "ranks the engine takes"),
+    _e(_VLLM_CONFIG, "VllmConfig.lora_config", "attribute", "introspect.max_lora_rank", "None without enable_lora"),
+    _e(
+        "vllm.config.lora",
+        "LoRAConfig.max_lora_rank",
+        "attribute",
+        "introspect.max_lora_rank",
+        "ranks the engine takes",
+    ),
     _e(
         _ENGINE,
         "LLMEngine.set_weight_version",
         "method",
-        "compat.set_engine_weight_version",
+        "introspect.set_engine_weight_version",
         "records the installed version",
         args=("weight_version",),
         optional=True,
     ),
-    _e(_ENGINE, "LLMEngine.get_weight_version", "method", "compat.engine_weight_version", "", optional=True),
-    _e(_CORE_CLIENT, "InprocClient", "class", "compat.engine_mode", "matched by class name"),
-    _e(_CORE_CLIENT, "InprocClient.engine_core", "attribute", "compat.weights_asleep_inprocess", "the EngineCore"),
-    _e(_CORE_CLIENT, "SyncMPClient._send_input", "method", "compat.serialize_core_sends", "wrapped: one lock"),
-    _e(_CORE_CLIENT, "SyncMPClient.call_utility", "method", "compat.scheduler_paused", "a core utility by name"),
-    _e(_CORE_CLIENT, "SyncMPClient.get_output", "method", "compat._end_outputs_on_death", "wrapped: dead -> raise"),
-    _e(_CORE_CLIENT, "SyncMPClient.outputs_queue", "attribute", "compat._end_outputs_on_death", "fed the death"),
-    _e("vllm.v1.engine.exceptions", "EngineDeadError", "class", "compat._end_outputs_on_death", "vLLM's own error"),
+    _e(_ENGINE, "LLMEngine.get_weight_version", "method", "introspect.engine_weight_version", "", optional=True),
+    _e(_CORE_CLIENT, "InprocClient", "class", "introspect.engine_mode", "matched by class name"),
+    _e(_CORE_CLIENT, "InprocClient.engine_core", "attribute", "introspect.weights_asleep_inprocess", "the EngineCore"),
+    _e(_CORE_CLIENT, "SyncMPClient._send_input", "method", "patches.serialize_core_sends", "wrapped: one lock"),
+    _e(_CORE_CLIENT, "SyncMPClient.call_utility", "method", "introspect.scheduler_paused", "a core utility by name"),
+    _e(_CORE_CLIENT, "SyncMPClient.get_output", "method", "patches._end_outputs_on_death", "wrapped: dead -> raise"),
+    _e(_CORE_CLIENT, "SyncMPClient.outputs_queue", "attribute", "patches._end_outputs_on_death", "fed the death"),
+    _e("vllm.v1.engine.exceptions", "EngineDeadError", "class", "patches._end_outputs_on_death", "vLLM's own error"),
     _e("vllm.v1.engine.utils", "CoreEngineProcManager.processes", "attribute", "liveness.on_death", "sentinels"),
     _e("vllm.v1.engine.utils", "CoreEngineProcManager.finished_procs", "method", "liveness.death", "who ended"),
-    _e(_CORE_CLIENT, "MPClient.shutdown", "method", "compat.on_shutdown", "wrapped: kept files released"),
-    _e("vllm.v1.engine.core", "EngineCore.is_scheduler_paused", "method", "compat.scheduler_paused", "paused?"),
-    _e("vllm.device_allocator.cumem", "CuMemAllocator.instance", "attribute", "compat.weights_asleep_here", ""),
+    _e(_CORE_CLIENT, "MPClient.shutdown", "method", "patches.on_shutdown", "wrapped: kept files released"),
+    _e("vllm.v1.engine.core", "EngineCore.is_scheduler_paused", "method", "introspect.scheduler_paused", "paused?"),
+    _e("vllm.device_allocator.cumem", "CuMemAllocator.instance", "attribute", "runner.weights_asleep_here", ""),
     _e("vllm.device_allocator.cumem", "CuMemAllocator.pointer_to_data", "attribute", "weights_asleep_here", ""),
-    _e("vllm.v1.engine.core", "EngineCore.model_executor", "attribute", "compat.weights_asleep_inprocess", ""),
+    _e("vllm.v1.engine.core", "EngineCore.model_executor", "attribute", "introspect.weights_asleep_inprocess", ""),
     _e(
         "vllm.v1.executor.abstract",
         "Executor.sleeping_tags",
         "attribute",
-        "compat.weights_asleep_inprocess",
+        "introspect.weights_asleep_inprocess",
         "exactly whether the weights sleep",
     ),
-    _e(_UNIPROC, "UniProcExecutor.driver_worker", "attribute", "compat.inprocess_model", "the in-process worker"),
-    _e(_WORKER_BASE, "WorkerWrapperBase.worker", "attribute", "compat.worker_model", "the wrapped worker"),
-    _e(_ASYNC, "AsyncLLM", "class", "compat.engine_kind", "the async engine a caller passes"),
+    _e(_UNIPROC, "UniProcExecutor.driver_worker", "attribute", "introspect.inprocess_model", "the in-process worker"),
+    _e(_WORKER_BASE, "WorkerWrapperBase.worker", "attribute", "runner.worker_model", "the wrapped worker"),
+    _e(_ASYNC, "AsyncLLM", "class", "introspect.engine_kind", "the async engine a caller passes"),
     *(
-        _e(_ASYNC, f"AsyncLLM.{a}", "attribute", "compat.engine_kind, compat._llm_engine", "recognised and read")
+        _e(_ASYNC, f"AsyncLLM.{a}", "attribute", "introspect.engine_kind, introspect.llm_engine", "recognised and read")
         for a in ("engine_core", "vllm_config", "model_config")
     ),
     _e(
@@ -281,33 +308,49 @@ CONTRACT: tuple[Entry, ...] = (
     _e(_ASYNC, "AsyncLLM.sleep", "method", "handles.sleep.SleepTracker", "wrapped: reads `level`", args=("level",)),
     _e(_ASYNC, "AsyncLLM.wake_up", "method", "handles.sleep.SleepTracker", "wrapped: reads `tags`", args=("tags",)),
     # --- configs
-    _e(_VLLM_CONFIG, "VllmConfig.parallel_config", "attribute", "compat.worker_extension, compat.num_workers", ""),
+    _e(
+        _VLLM_CONFIG,
+        "VllmConfig.parallel_config",
+        "attribute",
+        "introspect.worker_extension, introspect.num_workers",
+        "",
+    ),
     _e(_VLLM_CONFIG, "VllmConfig.model_config", "attribute", "worker_ops.close_layerwise_reload", ""),
     _e(
         _VLLM_CONFIG,
         "VllmConfig.weight_transfer_config",
         "attribute",
-        "compat.weight_transfer_backend",
+        "introspect.weight_transfer_backend",
         "the native adapter's backend",
         optional=True,
     ),
-    _e(_PARALLEL, "ParallelConfig.worker_extension_cls", "attribute", "compat.worker_extension", "extension loaded?"),
-    _e(_PARALLEL, "ParallelConfig.world_size", "attribute", "compat.num_workers", "worker count"),
+    _e(
+        _PARALLEL,
+        "ParallelConfig.worker_extension_cls",
+        "attribute",
+        "introspect.worker_extension",
+        "extension loaded?",
+    ),
+    _e(_PARALLEL, "ParallelConfig.world_size", "attribute", "introspect.num_workers", "worker count"),
     _e(_PARALLEL, "ParallelConfig.rank", "attribute", "HotWeightsTransferEngine.__init__", "the backend's rank"),
     _e(
-        "vllm.config.weight_transfer", "WeightTransferConfig.backend", "attribute", "compat.weight_transfer_backend", ""
+        "vllm.config.weight_transfer",
+        "WeightTransferConfig.backend",
+        "attribute",
+        "introspect.weight_transfer_backend",
+        "",
     ),
     *(
-        _e("vllm.config.model", f"ModelConfig.{a}", "attribute", "compat, engine.expected", "dtype, path, HF config")
+        _e("vllm.config.model", f"ModelConfig.{a}", "attribute", "introspect, vllm.expected", "dtype, path, HF config")
         for a in ("dtype", "model", "hf_config", "hf_text_config")
     ),
-    # --- vLLM fixes: compat.apply_vllm_fixes, each over the versions that need it (_mend). The tied-head mend wraps
+    # --- vLLM fixes: fixes.apply_vllm_fixes, each over the versions that need it (_mend). The tied-head mend wraps
     # the runners' reload_weights (below, with each runner's own versions: the mend's range covers them all)
     _e(
         _MOE_METHOD,
         "UnquantizedFusedMoEMethod._setup_kernel",
         "method",
-        "compat._fix_moe_setup_kernel",
+        "fixes._fix_moe_setup_kernel",
         "wrapped: re-packs CPU experts on a weight update (fix moe-cpu-prepack)",
         args=("layer",),
         vllm=_mend("moe-cpu-prepack"),
@@ -316,14 +359,14 @@ CONTRACT: tuple[Entry, ...] = (
         _MOE_METHOD,
         "UnquantizedFusedMoEMethod.moe_kernel",
         "attribute",
-        "compat._fix_moe_setup_kernel, readback._packer",
+        "fixes._fix_moe_setup_kernel, readback._packer",
         "None until the first load: tells an update from it",
     ),
     _e(
         _MOE_KERNEL,
         "FusedMoEKernel.fused_experts",
         "attribute",
-        "compat._fix_moe_setup_kernel",
+        "fixes._fix_moe_setup_kernel",
         "the experts",
         vllm=_mend("moe-cpu-prepack"),
     ),
@@ -331,7 +374,7 @@ CONTRACT: tuple[Entry, ...] = (
         _CPU_MOE,
         "CPUUnquantizedExperts",
         "class",
-        "compat._fix_moe_setup_kernel",
+        "fixes._fix_moe_setup_kernel",
         "experts that pre-pack on CPU",
         vllm=_mend("moe-cpu-prepack"),
     ),
@@ -339,7 +382,7 @@ CONTRACT: tuple[Entry, ...] = (
         _CPU_MOE,
         "CPUUnquantizedExperts.process_weights_after_loading",
         "method",
-        "compat._fix_moe_setup_kernel",
+        "fixes._fix_moe_setup_kernel",
         "re-packs w13/w2 for the grouped GEMM",
         args=("layer",),
         vllm=_mend("moe-cpu-prepack"),
@@ -348,7 +391,7 @@ CONTRACT: tuple[Entry, ...] = (
         _MODELS + "gpt_oss",
         "GptOssModel._load_weights_other",
         "method",
-        "compat._fix_gpt_oss_reload",
+        "fixes._fix_gpt_oss_reload",
         "wrapped: routes the experts and sinks a reload copies into meta placeholders through their loaders",
         kwargs=("weights",),
         vllm=_mend("gpt-oss-experts-sinks"),
@@ -357,7 +400,7 @@ CONTRACT: tuple[Entry, ...] = (
         _MODELS + "gpt_oss",
         "GptOssModel._get_streamed_expert_info",
         "method",
-        "compat._fix_gpt_oss_reload",
+        "fixes._fix_gpt_oss_reload",
         "the fused parameter of one expert's checkpoint key",
         args=("name", "params_dict"),
         vllm=_mend("gpt-oss-experts-sinks"),
@@ -366,7 +409,7 @@ CONTRACT: tuple[Entry, ...] = (
         "vllm.model_executor.model_loader.weight_utils",
         "default_weight_loader",
         "function",
-        "compat._fix_gpt_oss_reload",
+        "fixes._fix_gpt_oss_reload",
         "loads a sink that has no loader of its own",
         args=("param", "loaded_weight"),
         vllm=_mend("gpt-oss-experts-sinks"),
@@ -383,12 +426,12 @@ CONTRACT: tuple[Entry, ...] = (
                 module,
                 f"{cls}.reload_weights",
                 "method",
-                "compat._fix_reload_tied_heads (compat.RELOAD_RUNNERS), adapters.weights_path",
+                "fixes._fix_reload_tied_heads (fixes.RELOAD_RUNNERS), adapters.weights_path",
                 "wrapped (fix tied-lm-head); takes what Worker.reload_weights forwards",
                 kwargs=("weights_iterator", "weights_path", "is_checkpoint_format"),
                 vllm=versions,
             ),
-            _e(module, f"{cls}.get_model", "method", "compat.worker_model", "the served model", vllm=versions),
+            _e(module, f"{cls}.get_model", "method", "runner.worker_model", "the served model", vllm=versions),
             _e(
                 module,
                 f"{cls}.kv_caches",
@@ -419,7 +462,7 @@ CONTRACT: tuple[Entry, ...] = (
         )
     ),
     # --- worker_ops.py
-    _e(_WORKER, "Worker.model_runner", "attribute", "compat.worker_model", "the model runner"),
+    _e(_WORKER, "Worker.model_runner", "attribute", "runner.worker_model", "the model runner"),
     _e(
         _WORKER,
         "Worker.reload_weights",
@@ -433,7 +476,7 @@ CONTRACT: tuple[Entry, ...] = (
         "vllm.model_executor.model_loader.reload.inplace",
         "reload_weights",
         "function",
-        "compat.reload_model_inplace",
+        "runner.reload_model_inplace",
         "the install of hotweights' weight-transfer backend (0.31 runs the layerwise steps itself)",
         args=("vllm_config", "model"),
         kwargs=("weights_iterator", "weights_path", "is_checkpoint_format"),
@@ -460,7 +503,7 @@ CONTRACT: tuple[Entry, ...] = (
         "vllm.model_executor.model_loader.reload.lifecycle",
         "_weight_update_active",
         "variable",
-        "compat.mark_weight_update",
+        "runner.mark_weight_update",
         "set while a streaming install feeds vLLM's layerwise reload, as start_reload/finish_reload do",
         vllm=">=0.34",
     ),
@@ -536,7 +579,7 @@ CONTRACT: tuple[Entry, ...] = (
             module,
             "cpu_prepack_moe_weight",
             "function",
-            "compat.cpu_prepack_moe_weight, readback._packer",
+            "runner.cpu_prepack_moe_weight, readback._packer",
             "packs the expected experts like the kernel",
             args=("weight", "isa"),
             vllm=versions,
@@ -765,15 +808,15 @@ CONTRACT: tuple[Entry, ...] = (
         "Worker.shutdown_weight_transfer_engine",
         "method",
         "adapters.wires.TransferAPIWire (leave_group)",
-        "releases a trainer's collective group (0.31 has none: compat.worker_lacks answers it)",
+        "releases a trainer's collective group (0.31 has none: rpc.worker_lacks answers it)",
         vllm=">=0.32",
     ),
-    # --- 0.34's extensible KV cache: compat.kv_cache_lent (a reload borrows its memory)
+    # --- 0.34's extensible KV cache: runner.kv_cache_lent (a reload borrows its memory)
     _e(
         "vllm.v1.worker.extensible_kv_cache",
         "kv_cache_lent_for_weight_update",
         "function",
-        "compat.kv_cache_lent (streaming commit)",
+        "runner.kv_cache_lent (streaming commit)",
         "vLLM's loan, entered where hotweights opens the reload itself",
         args=("kv_cache", "model"),
         kwargs=("reclaimable", "fail_if_short"),
@@ -783,18 +826,18 @@ CONTRACT: tuple[Entry, ...] = (
         _WORKER,
         "Worker.set_kv_cache_reclaimable",
         "method",
-        "compat.kv_cache_lent",
+        "runner.kv_cache_lent",
         "the cache holds nothing to keep during the commit",
         args=("reclaimable",),
         vllm=">=0.34",
     ),
-    _e(_WORKER, "_kv_cache_reclaimable", "assigned", "compat.kv_cache_lent", "read back, restored", vllm=">=0.34"),
-    _e(_RUNNER_V2, "extensible_kv_cache", "assigned", "compat.kv_cache_lent", "the cache itself", vllm=">=0.34"),
+    _e(_WORKER, "_kv_cache_reclaimable", "assigned", "runner.kv_cache_lent", "read back, restored", vllm=">=0.34"),
+    _e(_RUNNER_V2, "extensible_kv_cache", "assigned", "runner.kv_cache_lent", "the cache itself", vllm=">=0.34"),
     _e(
         "vllm.config.cache",
         "CacheConfig.enable_extensible_kv_cache",
         "attribute",
-        "compat.extensible_kv_cache, RemoteHandle",
+        "introspect.extensible_kv_cache, RemoteHandle",
         "whether the trainer sends kv_reclaimable",
         vllm=">=0.34",
     ),
@@ -811,7 +854,7 @@ CONTRACT: tuple[Entry, ...] = (
         _NCCL_COMMON,
         "stateless_init_process_group",
         "function",
-        "compat.nccl_transfer_as",
+        "nccl_gloo.nccl_transfer_as",
         "where the communicator is made (gloo on CPU)",
         args=("master_address", "master_port", "rank", "world_size", "device"),
     ),
@@ -819,7 +862,7 @@ CONTRACT: tuple[Entry, ...] = (
         _PACKED,
         "_get_streams",
         "function",
-        "compat.nccl_transfer_as",
+        "nccl_gloo.nccl_transfer_as",
         "CUDA streams (none on CPU)",
         args=("device_idx", "num_buffers"),
     ),
@@ -857,8 +900,8 @@ CONTRACT: tuple[Entry, ...] = (
     ),
     _e("vllm.plugins", "load_general_plugins", "function", "vllm_plugin.register", "runs the entry point everywhere"),
     _e("vllm.plugins", "vllm.general_plugins", "literal", "pyproject entry point", "the plugin group hotweights joins"),
-    _e("vllm.envs", "VLLM_PLUGINS", "literal", "compat.vllm_fixes_reach_workers", "an allow-list may omit hotweights"),
-    _e("vllm.envs", "VLLM_ENABLE_V1_MULTIPROCESSING", "literal", "compat.engine_mode", "in-process engines"),
+    _e("vllm.envs", "VLLM_PLUGINS", "literal", "fixes.vllm_fixes_reach_workers", "an allow-list may omit hotweights"),
+    _e("vllm.envs", "VLLM_ENABLE_V1_MULTIPROCESSING", "literal", "introspect.engine_mode", "in-process engines"),
     _e("vllm.envs", "VLLM_SERVER_DEV_MODE", "literal", "handles.remote", "turns the dev routes on"),
     # --- handles/remote.py: the HTTP routes of `vllm serve` (searched in every module under vllm.entrypoints)
     _e(_ROUTES, "GET /get_world_size", "route", "RemoteHandle.__init__", "worker count", kwargs=("include_dp",)),

@@ -40,7 +40,7 @@ from hotweights.core.report import InstallReport
 from hotweights.fleet import Fleet
 from hotweights.handles.remote import connect
 from hotweights.versions import lora_version_of, weight_version_of, weight_versions_of
-from hotweights.vllm.compat import WORKER_EXTENSION
+from hotweights.vllm.introspect import WORKER_EXTENSION
 
 __version__ = "0.1.0"
 

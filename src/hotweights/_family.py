@@ -22,7 +22,7 @@ from hotweights.core.errors import EngineNotSupportedError, UnprovenFamilyError
 from hotweights.core.families import FamilyCheck, Unproven, is_proven
 from hotweights.core.probe import ProbeReference, reference
 from hotweights.handles import EngineHandle
-from hotweights.vllm import compat
+from hotweights.vllm import compat, fixes
 
 __all__ = ["check_family", "unproven_default"]
 
@@ -39,7 +39,7 @@ def check_mends(handle: EngineHandle) -> None:
     """Refuse before writing when the engine's model needs a mend of vLLM's reload that is not in place where its
     workers run (e.g. hotweights' vLLM plugin kept out by ``VLLM_PLUGINS``, or a runner the mend does not reach).
 
-    Only the mends this vLLM needs count (:func:`~hotweights.vllm.compat.vllm_needs_fix`): a model that needs a mend
+    Only the mends this vLLM needs count (:func:`~hotweights.vllm.fixes.vllm_needs_fix`): a model that needs a mend
     on another vLLM installs unmended here.
 
     Raises:
@@ -48,13 +48,13 @@ def check_mends(handle: EngineHandle) -> None:
     if handle.__dict__.get(_MENDED):
         return
     config = handle.model_config()
-    needed = compat.vllm_fixes_for(config) if config is not None else ()
+    needed = fixes.vllm_fixes_for(config) if config is not None else ()
     applied = handle.vllm_fixes() if needed else ()
     if applied is None:
         return  # cannot be told from here: the engine's own processes apply them (hotweights' vLLM plugin)
     missing = [n for n in needed if n not in applied]
     if missing:
-        why = "; ".join(f"{n}: {compat.VLLM_FIXES[n].why}" for n in missing)
+        why = "; ".join(f"{n}: {fixes.VLLM_FIXES[n].why}" for n in missing)
         raise EngineNotSupportedError(
             f"this model needs hotweights' mend(s) of vLLM {compat.vllm_version() or '?'}'s weight reload, and they "
             f"are not in place in the engine's workers ({why}); nothing was written. Let hotweights' vLLM plugin "

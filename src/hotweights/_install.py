@@ -23,7 +23,7 @@ from hotweights.core.sharded import agree, follow, gathering, is_sharded, same_h
 from hotweights.core.sources import LocalTensors, TensorSource
 from hotweights.handles import PauseMode, as_engine
 from hotweights.transports.shm_writes import opened_for_writes
-from hotweights.vllm import compat
+from hotweights.vllm import patches
 
 if TYPE_CHECKING:
     import torch
@@ -46,7 +46,7 @@ def detach(engine: Any) -> int:
     adapter = cached_adapter(handle) if handle is not None else None
     if adapter is not None:
         adapter.close()
-    compat.release(attach.get(engine, "on_shutdown") or [])
+    patches.release(attach.get(engine, "on_shutdown") or [])
     return attach.detach(engine)
 
 

@@ -40,7 +40,7 @@ from hotweights.handles import EngineHandle, PauseMode, as_engine
 from hotweights.telemetry import best_effort, log_report
 from hotweights.transports.shm_files import SHM_DIR
 from hotweights.versions import lora_directory_prefix
-from hotweights.vllm import compat
+from hotweights.vllm import introspect
 
 __all__ = ["install_lora", "install_lora_async", "lora_request"]
 
@@ -145,7 +145,7 @@ def lora_request(engine: Any, name: str) -> Any:
     slot = _slots(as_engine(engine)).get(name)
     if slot is None:
         raise HotWeightsError(f"no LoRA adapter {name!r} was installed into this engine; install_lora it first")
-    return compat.lora_request(name, slot.lora_id, slot.path)
+    return introspect.lora_request(name, slot.lora_id, slot.path)
 
 
 def _install_lora(

@@ -44,7 +44,7 @@ from hotweights.serve_guard import (
     GuardConfig,
     split_hosts,
 )
-from hotweights.vllm.compat import WORKER_EXTENSION
+from hotweights.vllm.introspect import WORKER_EXTENSION
 from hotweights.vllm.plugin import BACKEND
 
 __all__ = ["GUARD", "main", "server_command", "server_env"]

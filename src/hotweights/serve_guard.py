@@ -331,7 +331,7 @@ class HotWeightsGuard:
         await _answer(send, 200, {"epoch": self.epoch.epoch})
 
     def _in_flight(self) -> dict[str, tuple[int, str | None]]:
-        from hotweights.vllm.compat import requests_in_flight
+        from hotweights.vllm.introspect import requests_in_flight
 
         return requests_in_flight(self._engine) if self._engine is not None else {}
 

@@ -22,7 +22,7 @@ from hotweights.core.buckets import Bucket
 from hotweights.handles.llm import LLMHandle
 from hotweights.testing import greedy_hf
 from hotweights.transports import EngineLink, Stage, WeightTransport, make_transport
-from hotweights.vllm import compat
+from hotweights.vllm import introspect
 from hotweights.vllm.worker.ops import reload_checkpoint_tensors
 
 from .conftest import TinyCheckpoint, Variant, greedy_vllm, start_engine, stop_engine
@@ -108,7 +108,7 @@ def test_inprocess_delta_with_the_wrong_base_refused(inprocess: Any, trainer: Tr
     the base, so the delta is refused and nothing is written."""
     b = trainer.b
     inprocess.collective_rpc(reload_checkpoint_tensors, args=(list(b.state_dict().items()),))
-    compat.set_engine_weight_version(inprocess, "70")
+    introspect.set_engine_weight_version(inprocess, "70")
     inprocess.reset_prefix_cache()
     assert greedy_vllm(inprocess) == b.fresh
     with pytest.raises(DeltaBaseMismatchError, match="serves v70"):

@@ -12,7 +12,7 @@ import torch
 import hotweights
 from hotweights.adapters import VLLMInProcessAdapter
 from hotweights.core import families
-from hotweights.vllm import compat
+from hotweights.vllm import compat, introspect
 
 from .conftest import TinyCheckpoint, Variant, greedy_vllm, start_engine, stop_engine
 
@@ -72,7 +72,7 @@ def test_an_install_that_leaves_a_layer_stale_fails_closed(
     """A reload that silently keeps one layer's old MLP (the kind of defect vLLM's reload had for MoE experts, tied
     heads and GPT-OSS) is caught by the probe: FamilyProbeError, generation refused, the version unchanged."""
     llm, _, b = engine
-    model = compat.inprocess_model(llm)
+    model = introspect.inprocess_model(llm)
     load = model.load_weights
 
     def drops_a_layer(weights: Any, *args: Any, **kwargs: Any) -> Any:

@@ -17,7 +17,7 @@ import hotweights.transports
 from hotweights import WeightUpdateManifest
 from hotweights.adapters import VLLMDirectSetterAdapter, VLLMMultiprocessAdapter
 from hotweights.testing import build_tiny_model, greedy_hf, save_tiny_model
-from hotweights.vllm import compat
+from hotweights.vllm import introspect
 from hotweights.vllm.worker.setter import direct_refusals
 
 from .conftest import TinyCheckpoint, Variant, greedy_vllm, start_engine, stop_engine
@@ -96,7 +96,7 @@ def test_unlisted_model_falls_back_to_reload_with_the_reason(tmp_path: Path) -> 
     assert want_a != want_b
     # In-process (starts in seconds), with the extension: the same worker methods, reached by name.
     llm = start_engine(
-        save_tiny_model(a, tmp_path / "a"), multiprocess=False, worker_extension_cls=compat.WORKER_EXTENSION
+        save_tiny_model(a, tmp_path / "a"), multiprocess=False, worker_extension_cls=introspect.WORKER_EXTENSION
     )
     try:
         assert greedy_vllm(llm) == want_a
@@ -115,7 +115,7 @@ def test_unlisted_model_falls_back_to_reload_with_the_reason(tmp_path: Path) -> 
         with pytest.raises(hotweights.EngineNotSupportedError, match="cannot prove an install into this model exact"):
             VLLMDirectSetterAdapter(llm).install(WeightUpdateManifest.from_state_dict(sd, weight_version=3), sd)
         assert greedy_vllm(llm) == want_a  # nothing written
-        refusals = direct_refusals(compat.inprocess_model(llm))
+        refusals = direct_refusals(introspect.inprocess_model(llm))
         assert len(refusals) == 1  # the model class only: all its layers are allow-listed kinds
     finally:
         stop_engine(llm)
@@ -127,7 +127,7 @@ def test_refusal_rule_on_the_real_models_modules(checkpoint: Callable[[Variant, 
 
     llm = start_engine(checkpoint(VARIANT, 1).path, multiprocess=False)
     try:
-        real = compat.inprocess_model(llm)
+        real = introspect.inprocess_model(llm)
         assert direct_refusals(real) == ()
 
         class Qwen2ForCausalLM(torch.nn.Module):  # same class name, other modules: the layer rules decide

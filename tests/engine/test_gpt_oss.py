@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 import hotweights
-from hotweights.vllm import compat
+from hotweights.vllm import fixes
 
 from .conftest import TinyCheckpoint, Variant, greedy_vllm, start_engine, stop_engine
 
@@ -32,7 +32,7 @@ def engine(checkpoint: Callable[[Variant, int], TinyCheckpoint]) -> Iterator[Eng
 def test_install_a_to_b_to_a(engine: Engine) -> None:
     llm, a, b = engine
     assert a.fresh != b.fresh
-    assert "gpt-oss-experts-sinks" in compat.vllm_fixes_needed(llm)
+    assert "gpt-oss-experts-sinks" in fixes.vllm_fixes_needed(llm)
     assert greedy_vllm(llm) == a.fresh
     # the trainer's state dict (transformers 5: fused experts), then the checkpoint's own tensors
     report = hotweights.install(llm, b.state_dict(), weight_version=1)

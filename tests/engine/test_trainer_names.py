@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import hotweights
-from hotweights.vllm import compat
+from hotweights.vllm import introspect
 
 from .conftest import greedy_vllm, start_engine, stop_engine
 
@@ -58,7 +58,7 @@ def _build(family: str, seed: int) -> Any:
 
 
 def _engine_params(llm: Any) -> dict[str, torch.Tensor]:
-    return {n: t.detach().clone() for n, t in compat.inprocess_model(llm).state_dict().items()}
+    return {n: t.detach().clone() for n, t in introspect.inprocess_model(llm).state_dict().items()}
 
 
 @pytest.mark.parametrize("family", list(CONFIGS))

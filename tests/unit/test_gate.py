@@ -92,11 +92,11 @@ def test_a_call_inside_a_held_serving_passes_while_an_install_waits() -> None:
 
 
 class _FakeLLM:
-    """What compat.serving_gate touches on a vllm.LLM (pure logic: the real engine is in tests/engine)."""
+    """What patches.serving_gate touches on a vllm.LLM (pure logic: the real engine is in tests/engine)."""
 
     def __init__(self) -> None:
         self.llm_engine = self
-        self.engine_core = object()  # what compat.engine_kind looks for
+        self.engine_core = object()  # what introspect.engine_kind looks for
         self.requests: list[int] = []
 
     def has_unfinished_requests(self) -> bool:
@@ -122,7 +122,7 @@ class _FakeLLM:
 
 
 def test_concurrent_first_use_builds_one_gate_and_wraps_once() -> None:
-    from hotweights.vllm import compat
+    from hotweights.vllm import patches
 
     llm = _FakeLLM()
     original = llm.generate
@@ -131,7 +131,7 @@ def test_concurrent_first_use_builds_one_gate_and_wraps_once() -> None:
 
     def first_use() -> None:
         barrier.wait()
-        gates.append(compat.serving_gate(llm))
+        gates.append(patches.serving_gate(llm))
 
     threads = [threading.Thread(target=first_use) for _ in range(8)]
     for t in threads:
@@ -144,11 +144,11 @@ def test_concurrent_first_use_builds_one_gate_and_wraps_once() -> None:
 
 
 def test_a_call_that_looked_generate_up_before_the_gate_waits_for_the_install_at_its_first_request() -> None:
-    from hotweights.vllm import compat
+    from hotweights.vllm import patches
 
     llm = _FakeLLM()
     unwrapped = llm.generate  # looked up before hotweights saw the engine
-    gate = compat.serving_gate(llm)
+    gate = patches.serving_gate(llm)
     result: list[list[int]] = []
     with gate.installing(timeout=5.0):
         thread = threading.Thread(target=lambda: result.append(unwrapped(2)))
@@ -162,10 +162,10 @@ def test_a_call_that_looked_generate_up_before_the_gate_waits_for_the_install_at
 
 
 def test_a_thread_driving_the_engine_by_hand_releases_the_gate_when_its_steps_leave_nothing_to_run() -> None:
-    from hotweights.vllm import compat
+    from hotweights.vllm import patches
 
     llm = _FakeLLM()
-    gate = compat.serving_gate(llm)
+    gate = patches.serving_gate(llm)
     llm.llm_engine.add_request(7)  # by hand: no _run_engine will follow
     assert llm.llm_engine.step() == [7]
     with gate.installing(timeout=1.0):  # released by the step that left the engine idle
@@ -175,10 +175,10 @@ def test_a_thread_driving_the_engine_by_hand_releases_the_gate_when_its_steps_le
 def test_holds_released_out_of_order_leave_the_thread_counted_again() -> None:
     """A request added by hand, then a generate call: the generate's ``_run_engine`` releases the earlier hold
     before the generate's own. Afterwards this thread's calls must enter the gate again, not pass through."""
-    from hotweights.vllm import compat
+    from hotweights.vllm import patches
 
     llm = _FakeLLM()
-    gate = compat.serving_gate(llm)
+    gate = patches.serving_gate(llm)
     llm.llm_engine.add_request(0)  # by hand: holds the gate
     assert llm.generate(2) == [0, 0, 1]
     assert getattr(gate._local, "depth", 0) == 0
@@ -209,14 +209,14 @@ class _SlowAddLLM(_FakeLLM):
 def test_a_call_between_its_requests_when_the_first_install_starts_is_not_deadlocked() -> None:
     """Issue 26: a generate call that added its first request before the gate existed, then the install closed the
     gate. The install waits for that call to finish (on the old weights) instead of each waiting for the other."""
-    from hotweights.vllm import compat
+    from hotweights.vllm import patches
 
     llm = _SlowAddLLM()
     result: list[list[int]] = []
     thread = threading.Thread(target=lambda: result.append(llm.generate(3)))  # before any hotweights call
     thread.start()
     assert llm.added.wait(5)  # its first request is in the engine, unseen
-    gate = compat.serving_gate(llm)
+    gate = patches.serving_gate(llm)
     threading.Timer(0.1, llm.go_on.set).start()  # it adds the next two while the install drains
     t0 = time.perf_counter()
     with gate.installing(timeout=5.0) as waited:
@@ -228,10 +228,10 @@ def test_a_call_between_its_requests_when_the_first_install_starts_is_not_deadlo
 def test_a_request_added_on_one_thread_and_stepped_on_another_does_not_hold_the_gate() -> None:
     """Issue 26: the hold taken where a request was added is released by the step, on another thread, that left
     the engine with nothing to run; a later install does not wait for it."""
-    from hotweights.vllm import compat
+    from hotweights.vllm import patches
 
     llm = _FakeLLM()
-    gate = compat.serving_gate(llm)
+    gate = patches.serving_gate(llm)
     adder = threading.Thread(target=lambda: llm.llm_engine.add_request(5))
     adder.start()
     adder.join(5)

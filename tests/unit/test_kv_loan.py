@@ -1,5 +1,5 @@
 """vLLM 0.34's extensible KV cache: the trainer says when a reload may borrow it, the worker tells vLLM for the
-commit (:func:`hotweights.vllm.compat.kv_cache_lent`). vLLM's own loan (``kv_cache_lent_for_weight_update``) and
+commit (:func:`hotweights.vllm.worker.runner.kv_cache_lent`). vLLM's own loan (``kv_cache_lent_for_weight_update``) and
 the worker method are held to 0.34's source by the contract check; here, hotweights' side of it."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import torch
 
 import hotweights
 from hotweights.fake import FakeEngine, FakeWire
-from hotweights.vllm.compat import kv_cache_lent
+from hotweights.vllm.worker.runner import kv_cache_lent
 
 
 class Worker:

@@ -1,4 +1,4 @@
-"""The mends of vLLM's reload (compat.VLLM_FIXES) apply, and are asked for, only on the vLLM versions that need them;
+"""The mends of vLLM's reload (fixes.VLLM_FIXES) apply, and are asked for, only on the vLLM versions that need them;
 the contract check holds what each one patches over the same range. The running version is faked (compat reads it
 through ``vllm_version``) and the mends are fakes that record being applied: no vLLM class is touched here."""
 
@@ -10,20 +10,20 @@ from packaging.specifiers import SpecifierSet
 from hotweights import EngineNotSupportedError
 from hotweights._family import check_mends
 from hotweights.testing import tiny_config
-from hotweights.vllm import compat
+from hotweights.vllm import compat, fixes
 from tools.vllm_contract import CONTRACT
 
 
 @pytest.fixture
 def applied(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """Fresh state for :func:`compat.apply_vllm_fixes`: no fix in place, each fix a fake that records its name."""
+    """Fresh state for :func:`fixes.apply_vllm_fixes`: no fix in place, each fix a fake that records its name."""
     calls: list[str] = []
 
     def fake(name: str) -> object:
         return lambda: calls.append(name) is None
 
-    monkeypatch.setattr(compat, "_FIXED", set())
-    monkeypatch.setattr(compat, "_MENDS", {name: fake(name) for name in compat.VLLM_FIXES})
+    monkeypatch.setattr(fixes, "_FIXED", set())
+    monkeypatch.setattr(fixes, "_MENDS", {name: fake(name) for name in fixes.VLLM_FIXES})
     return calls
 
 
@@ -47,36 +47,36 @@ class _Handle:
 
 
 def test_every_mend_says_which_vllm_versions_need_it() -> None:
-    assert set(compat.VLLM_FIXES) == set(compat._MENDS)
-    for name, fix in compat.VLLM_FIXES.items():
+    assert set(fixes.VLLM_FIXES) == set(fixes._MENDS)
+    for name, fix in fixes.VLLM_FIXES.items():
         assert isinstance(fix.vllm, SpecifierSet) and str(fix.vllm), name
         assert SpecifierSet(str(fix.vllm)) == fix.vllm  # the contract gets it as a string
         assert fix.why, name
         # every supported vLLM the defect was read in needs the mend (none of them fixed it yet)
-        assert all(compat.vllm_needs_fix(name, f"{line}.0") for line in compat.SUPPORTED_VLLM), name
+        assert all(fixes.vllm_needs_fix(name, f"{line}.0") for line in compat.SUPPORTED_VLLM), name
 
 
 def test_outside_its_range_a_mend_is_not_applied_and_not_needed(
     monkeypatch: pytest.MonkeyPatch, applied: list[str]
 ) -> None:
     _running(monkeypatch, "0.30.2")  # older than any range
-    assert compat.apply_vllm_fixes() == ()
+    assert fixes.apply_vllm_fixes() == ()
     assert applied == []  # vLLM left as it is
-    assert compat.vllm_fixes_for(_moe_tied()) == ()
-    assert compat.vllm_fixes_missing(("moe-cpu-prepack", "tied-lm-head"), ()) == ()
+    assert fixes.vllm_fixes_for(_moe_tied()) == ()
+    assert fixes.vllm_fixes_missing(("moe-cpu-prepack", "tied-lm-head"), ()) == ()
     check_mends(_Handle(()))  # type: ignore[arg-type]  # nothing needed here: not refused for lacking the mends
 
 
 def test_a_bounded_mend_is_left_out_above_its_range(monkeypatch: pytest.MonkeyPatch, applied: list[str]) -> None:
     """A mend whose defect a vLLM release fixed (here: faked as fixed in 0.34) is neither applied nor asked for
     there, while the others still are; the local tag of a CPU build does not count."""
-    fixed = compat.VllmFix(compat.VLLM_FIXES["tied-lm-head"].why, SpecifierSet(">=0.31,<0.34"))
-    monkeypatch.setitem(compat.VLLM_FIXES, "tied-lm-head", fixed)
+    fixed = fixes.VllmFix(fixes.VLLM_FIXES["tied-lm-head"].why, SpecifierSet(">=0.31,<0.34"))
+    monkeypatch.setitem(fixes.VLLM_FIXES, "tied-lm-head", fixed)
     _running(monkeypatch, "0.34.0+cpu")
-    assert "tied-lm-head" not in compat.apply_vllm_fixes()
+    assert "tied-lm-head" not in fixes.apply_vllm_fixes()
     assert "tied-lm-head" not in applied and "moe-cpu-prepack" in applied
-    assert compat.vllm_fixes_for(_moe_tied()) == ("moe-cpu-prepack",)
-    assert compat.vllm_fixes_for(_moe_tied(), vllm="0.33.1") == ("moe-cpu-prepack", "tied-lm-head")
+    assert fixes.vllm_fixes_for(_moe_tied()) == ("moe-cpu-prepack",)
+    assert fixes.vllm_fixes_for(_moe_tied(), vllm="0.33.1") == ("moe-cpu-prepack", "tied-lm-head")
     check_mends(_Handle(("moe-cpu-prepack",)))  # type: ignore[arg-type]
 
 
@@ -87,12 +87,12 @@ def test_inside_its_range_or_unreadable_a_mend_is_applied_and_needed(
     """In range (a dev build of a later release included), or a version that cannot be read: the conservative
     choice, apply and ask for every mend."""
     _running(monkeypatch, version)
-    assert compat.apply_vllm_fixes() == tuple(sorted(compat.VLLM_FIXES))
-    assert compat.apply_vllm_fixes() == tuple(sorted(compat.VLLM_FIXES))  # idempotent
-    assert sorted(applied) == sorted(compat.VLLM_FIXES)  # each applied once
-    assert compat.vllm_fixes_for(_moe_tied()) == ("moe-cpu-prepack", "tied-lm-head")
+    assert fixes.apply_vllm_fixes() == tuple(sorted(fixes.VLLM_FIXES))
+    assert fixes.apply_vllm_fixes() == tuple(sorted(fixes.VLLM_FIXES))  # idempotent
+    assert sorted(applied) == sorted(fixes.VLLM_FIXES)  # each applied once
+    assert fixes.vllm_fixes_for(_moe_tied()) == ("moe-cpu-prepack", "tied-lm-head")
     gpt_oss = tiny_config("gpt_oss")
-    assert "gpt-oss-experts-sinks" in compat.vllm_fixes_for(gpt_oss)
+    assert "gpt-oss-experts-sinks" in fixes.vllm_fixes_for(gpt_oss)
 
 
 def test_a_needed_mend_not_in_place_refuses_naming_the_vllm_version(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -104,13 +104,13 @@ def test_a_needed_mend_not_in_place_refuses_naming_the_vllm_version(monkeypatch:
 def test_the_contract_holds_each_mend_over_its_range() -> None:
     """What a mend alone uses is checked exactly on the versions that need the mend (from VLLM_FIXES, not a copy);
     every mend has entries; the tied-head mend reaches a runner in every checked version of its range."""
-    by_function = {f"compat.{mend.__name__}": name for name, mend in compat._MENDS.items()}
+    by_function = {f"fixes.{mend.__name__}": name for name, mend in fixes._MENDS.items()}
     for function, name in by_function.items():
         assert any(function in e.used_by for e in CONTRACT), f"no contract entry for {name}"
         for entry in (e for e in CONTRACT if e.used_by == function):
-            assert entry.vllm == str(compat.VLLM_FIXES[name].vllm), (entry.symbol, name)
+            assert entry.vllm == str(fixes.VLLM_FIXES[name].vllm), (entry.symbol, name)
     versions = [f"{line}.0" for line in compat.SUPPORTED_VLLM]  # what `make contract` checks
     runners = {(e.module, e.name.split(".")[0]): e for e in CONTRACT if e.name.endswith(".reload_weights")}
-    assert set(compat.RELOAD_RUNNERS) <= set(runners)
-    for version in (v for v in versions if compat.vllm_needs_fix("tied-lm-head", v)):
-        assert any(runners[r].applies_to(version) for r in compat.RELOAD_RUNNERS), version
+    assert set(fixes.RELOAD_RUNNERS) <= set(runners)
+    for version in (v for v in versions if fixes.vllm_needs_fix("tied-lm-head", v)):
+        assert any(runners[r].applies_to(version) for r in fixes.RELOAD_RUNNERS), version

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from hotweights.handles.pause import PauseOwner
-from hotweights.vllm import compat
+from hotweights.vllm import introspect, patches
 
 
 def test_this_process_holds_its_pause_and_a_dead_one_does_not() -> None:
@@ -72,8 +72,8 @@ def test_a_multiprocess_llms_sends_are_serialised() -> None:
     assert unguarded.overlaps > 0  # the hazard is real without the lock
     client = _Client()
     llm = _llm(client)
-    assert compat.engine_kind(llm) == "llm"
-    assert compat.serialize_core_sends(llm) and compat.serialize_core_sends(llm)  # once, idempotent
+    assert introspect.engine_kind(llm) == "llm"
+    assert patches.serialize_core_sends(llm) and patches.serialize_core_sends(llm)  # once, idempotent
     _hammer(client)
     assert client.overlaps == 0 and client.sent == 200
     assert os.getpid()  # nothing else to clean up

@@ -28,7 +28,7 @@ from hotweights.transports import (
     shm_writes,
 )
 from hotweights.transports import bytes as bytes_transport
-from hotweights.vllm import compat
+from hotweights.vllm import compat, fixes
 from hotweights.vllm.worker import extension as worker_extension
 from hotweights.vllm.worker import ops as worker_ops
 from hotweights.vllm.worker.extension import HotWeightsWorkerExtension
@@ -681,7 +681,7 @@ class TestWorkerExtension:
             "architecture": "",  # no model in this process
             "vllm": compat.vllm_version(),
             "device": compat.device_kind(),
-            "fixes": list(compat.apply_vllm_fixes()),
+            "fixes": list(fixes.apply_vllm_fixes()),
             "vllm_nccl": {},
         }
 

@@ -8,7 +8,7 @@ import torch
 from hotweights.core.buckets import plan_buckets, unpack
 from hotweights.core.manifest import WeightUpdateManifest
 from hotweights.vllm import nccl
-from hotweights.vllm.compat import nccl_transfer_as
+from hotweights.vllm.nccl_gloo import nccl_transfer_as
 
 
 def _bucket() -> tuple[dict[str, torch.Tensor], WeightUpdateManifest, nccl.BucketTarget]:

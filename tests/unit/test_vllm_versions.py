@@ -11,7 +11,8 @@ import tomllib
 from packaging.requirements import Requirement
 from packaging.version import Version
 
-from hotweights.vllm import compat
+from hotweights.vllm import compat, fixes, rpc
+from hotweights.vllm.worker import runner
 
 PYPROJECT = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())
 
@@ -58,9 +59,9 @@ def test_the_tied_head_mend_reaches_every_model_runner_this_vllm_has() -> None:
     """V1 and Model Runner V2 (the GPU default since 0.32) are both wrapped: before, V2 was silently left unmended."""
     import importlib
 
-    assert "tied-lm-head" in compat.apply_vllm_fixes()
+    assert "tied-lm-head" in fixes.apply_vllm_fixes()
     found = 0
-    for module_name, class_name in compat.RELOAD_RUNNERS:
+    for module_name, class_name in fixes.RELOAD_RUNNERS:
         try:
             runner = getattr(importlib.import_module(module_name), class_name)
         except Exception:
@@ -71,7 +72,7 @@ def test_the_tied_head_mend_reaches_every_model_runner_this_vllm_has() -> None:
 
 
 def test_the_moe_packing_is_found_where_this_vllm_keeps_it() -> None:
-    assert callable(compat.cpu_prepack_moe_weight())
+    assert callable(runner.cpu_prepack_moe_weight())
 
 
 def test_a_needed_mend_that_is_not_in_place_refuses_before_writing() -> None:
@@ -122,8 +123,8 @@ def test_a_worker_method_this_vllm_lacks_is_answered_here() -> None:
     """vLLM 0.31's Worker has no shutdown_weight_transfer_engine (0.32 added it): found by feature detection, the
     call is answered by compat (None per worker) instead of failing in every worker."""
     lacks = Version(compat.vllm_version()).release[:2] < (0, 32)
-    assert compat.worker_lacks("shutdown_weight_transfer_engine") is lacks
-    assert not compat.worker_lacks("init_weight_transfer_engine")  # in every supported vLLM; not in the table
+    assert rpc.worker_lacks("shutdown_weight_transfer_engine") is lacks
+    assert not rpc.worker_lacks("init_weight_transfer_engine")  # in every supported vLLM; not in the table
 
     class LLM:  # never reached when the method is answered here
         llm_engine = type("Engine", (), {"engine_core": None})()
@@ -134,7 +135,7 @@ def test_a_worker_method_this_vllm_lacks_is_answered_here() -> None:
     if lacks:
         parallel = type("Parallel", (), {"world_size": 2})()
         LLM.llm_engine.vllm_config = type("Config", (), {"parallel_config": parallel})()  # type: ignore[attr-defined]
-        assert compat.rpc(LLM(), "shutdown_weight_transfer_engine") == [None, None]
+        assert rpc.rpc(LLM(), "shutdown_weight_transfer_engine") == [None, None]
 
 
 def test_a_streaming_install_marks_vllms_weight_update_where_vllm_keeps_the_flag() -> None:
@@ -145,11 +146,11 @@ def test_a_streaming_install_marks_vllms_weight_update_where_vllm_keeps_the_flag
 
     have = find_spec("vllm.model_executor.model_loader.reload.lifecycle") is not None
     try:
-        assert compat.mark_weight_update(True) is have
+        assert runner.mark_weight_update(True) is have
         if have:
             lifecycle = importlib.import_module("vllm.model_executor.model_loader.reload.lifecycle")
             assert lifecycle.weight_update_active()
     finally:
-        compat.mark_weight_update(False)
+        runner.mark_weight_update(False)
     if have:
         assert not lifecycle.weight_update_active()

@@ -13,7 +13,7 @@ from hotweights.adapters.wires import InProcessWire
 from hotweights.core.errors import EngineNotSupportedError
 from hotweights.handles import EngineHandle, as_engine
 from hotweights.handles.llm import LLMHandle
-from hotweights.vllm import compat
+from hotweights.vllm import introspect
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -89,7 +89,7 @@ class VLLMInProcessAdapter(Installer):
     @property
     def model(self) -> torch.nn.Module:
         """The model the engine serves (its worker runs in this process)."""
-        return compat.inprocess_model(self.llm)
+        return introspect.inprocess_model(self.llm)
 
 
 def for_engine(handle: EngineHandle) -> VLLMInProcessAdapter:

@@ -9,7 +9,7 @@ from hotweights.adapters.wires import ExtensionWire
 from hotweights.core.errors import EngineNotSupportedError
 from hotweights.handles import EngineHandle, as_engine
 from hotweights.transports import WeightTransport
-from hotweights.vllm import compat
+from hotweights.vllm import introspect
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -71,11 +71,11 @@ class VLLMMultiprocessAdapter(Installer):
         self, engine: Any, *, transport: str | WeightTransport = "shm", **options: Unpack[SessionAdapterOptions]
     ) -> None:
         handle = as_engine(engine)
-        if handle.worker_extension != compat.WORKER_EXTENSION:
+        if handle.worker_extension != introspect.WORKER_EXTENSION:
             raise EngineNotSupportedError(
                 f"this engine ({handle.describe()}) was not started with hotweights' worker extension, which "
                 "VLLMMultiprocessAdapter (and with it streaming commits, kept shm segments and the direct setter) "
-                f"needs; start it with worker_extension_cls={compat.WORKER_EXTENSION!r}"
+                f"needs; start it with worker_extension_cls={introspect.WORKER_EXTENSION!r}"
                 + (
                     " (it runs in this process: VLLMInProcessAdapter needs no extension)"
                     if handle.inprocess

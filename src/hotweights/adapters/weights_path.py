@@ -24,7 +24,7 @@ from hotweights.core.finite import check_finite
 from hotweights.core.manifest import _ST_DTYPES, WeightUpdateManifest, dtype_from_str
 from hotweights.handles import EngineHandle
 from hotweights.transports.shm_files import SHM_DIR, sweep_stale
-from hotweights.vllm import compat
+from hotweights.vllm import compat, fixes, introspect
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -95,18 +95,18 @@ class VLLMWeightsPathAdapter(VLLMEngineAdapter):
         return {}  # the engine's reload checks no digests (the trainer checked them before writing the file)
 
     def _refuse_unmended(self) -> None:
-        """vLLM's own reload needs mending for some models (:data:`~hotweights.vllm.compat.VLLM_FIXES`); the
+        """vLLM's own reload needs mending for some models (:data:`~hotweights.vllm.fixes.VLLM_FIXES`); the
         mend runs in the engine's processes only through hotweights' vLLM plugin: refuse where it cannot."""
-        if self.engine.kind not in ("llm", "async_llm") or compat.vllm_fixes_reach_workers():
+        if self.engine.kind not in ("llm", "async_llm") or fixes.vllm_fixes_reach_workers():
             return
-        needed = compat.vllm_fixes_for(self.engine.model_config())  # only those this vLLM needs
+        needed = fixes.vllm_fixes_for(self.engine.model_config())  # only those this vLLM needs
         if needed:
-            why = "; ".join(compat.VLLM_FIXES[n].why for n in needed)
+            why = "; ".join(fixes.VLLM_FIXES[n].why for n in needed)
             raise EngineNotSupportedError(
                 f"this model needs a fix to vLLM {compat.vllm_version() or '?'}'s reload_weights that runs in the "
                 f"engine's processes through hotweights' vLLM plugin, and VLLM_PLUGINS="
                 f"{os.environ.get('VLLM_PLUGINS')!r} leaves it out ({why}); nothing was written. Add hotweights to "
-                f"VLLM_PLUGINS, or start the engine with worker_extension_cls={compat.WORKER_EXTENSION!r}."
+                f"VLLM_PLUGINS, or start the engine with worker_extension_cls={introspect.WORKER_EXTENSION!r}."
             )
 
 

@@ -12,12 +12,12 @@ from hotweights.core import attach
 from hotweights.core.errors import EngineNotSupportedError
 from hotweights.core.registry import LazyRegistry
 from hotweights.handles.handle import EngineHandle, PauseMode
-from hotweights.vllm import compat
+from hotweights.vllm import compat, introspect
 
 __all__ = ["EngineHandle", "PauseMode", "as_engine"]
 
 
-#: Engine kind (:func:`hotweights.vllm.compat.engine_kind`) -> its handle class, imported on first use.
+#: Engine kind (:func:`hotweights.vllm.introspect.engine_kind`) -> its handle class, imported on first use.
 _KINDS = LazyRegistry("engine kind")
 _KINDS.register("llm", "hotweights.handles.llm:LLMHandle")
 _KINDS.register("async_llm", "hotweights.handles.async_llm:AsyncLLMHandle")
@@ -32,7 +32,7 @@ def as_engine(obj: Any) -> EngineHandle:
     """
     if isinstance(obj, EngineHandle):
         return obj
-    kind = compat.engine_kind(obj)
+    kind = introspect.engine_kind(obj)
     if kind not in _KINDS:
         raise EngineNotSupportedError(
             f"{type(obj).__name__} is not an engine hotweights can install into: pass a vllm.LLM, a vLLM AsyncLLM, "

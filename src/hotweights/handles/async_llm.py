@@ -23,7 +23,7 @@ from hotweights.handles.handle import EngineHandle, PauseMode
 from hotweights.handles.pause import KvEpoch, decoding, recomputed
 from hotweights.handles.sleep import SleepTracker
 from hotweights.versions import record_kv
-from hotweights.vllm import compat, liveness
+from hotweights.vllm import introspect, liveness, patches, rpc
 from hotweights.vllm.expected import expected_weights
 
 __all__ = ["PAUSE_MODES", "AsyncLLMHandle", "PauseGate"]
@@ -46,7 +46,7 @@ class AsyncLLMHandle(EngineHandle):
     pause_modes: ClassVar[tuple[PauseMode, ...]] = PAUSE_MODES
 
     def __init__(self, engine: Any) -> None:
-        if compat.engine_kind(engine) != "async_llm":
+        if introspect.engine_kind(engine) != "async_llm":
             raise TypeError(f"AsyncLLMHandle takes a vLLM AsyncLLM, not {type(engine).__name__}")
         self.engine = engine
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -84,22 +84,22 @@ class AsyncLLMHandle(EngineHandle):
 
     @property
     def num_workers(self) -> int:
-        return compat.num_workers(self.engine)
+        return introspect.num_workers(self.engine)
 
     @property
     def worker_extension(self) -> str:
-        return compat.worker_extension(self.engine)
+        return introspect.worker_extension(self.engine)
 
     @property
     def weight_transfer_backend(self) -> str:
-        return compat.weight_transfer_backend(self.engine)
+        return introspect.weight_transfer_backend(self.engine)
 
     def call(
         self, method: str, *args: Any, timeout: float | None = None, kwargs: dict[str, Any] | None = None
     ) -> list[Any]:
         wait = None if timeout is None else timeout + 5.0  # vLLM's own timeout fires first
         # every worker of every data-parallel rank, each answering (vLLM's own call returns rank 0's answers only)
-        return self.run(compat.collective_rpc_all(self.engine, method, timeout, args, kwargs), wait, f"{method!r}")
+        return self.run(rpc.collective_rpc_all(self.engine, method, timeout, args, kwargs), wait, f"{method!r}")
 
     def expected_weights(self) -> ExpectedWeights | None:
         return expected_weights(self.engine)
@@ -142,30 +142,30 @@ class AsyncLLMHandle(EngineHandle):
         return bool(self.run(self.engine.is_paused(), SHORT_TIMEOUT, "is_paused"))
 
     def on_shutdown(self, callback: Callable[[], object]) -> None:
-        compat.on_shutdown(self.engine, callback)
+        patches.on_shutdown(self.engine, callback)
 
     def model_config(self) -> Any:
-        return compat.engine_model_config(self.engine).hf_config
+        return introspect.engine_model_config(self.engine).hf_config
 
     @property
     def extensible_kv_cache(self) -> bool:
-        return compat.extensible_kv_cache(self.engine)
+        return introspect.extensible_kv_cache(self.engine)
 
     def engine_dtype(self) -> Any:
-        return compat.engine_dtype(self.engine)
+        return introspect.engine_dtype(self.engine)
 
     def max_lora_rank(self) -> int | None:
-        return compat.max_lora_rank(self.engine)
+        return introspect.max_lora_rank(self.engine)
 
     def add_lora(self, name: str, lora_id: int, path: str) -> None:
-        request = compat.lora_request(name, lora_id, path, replace=True)
+        request = introspect.lora_request(name, lora_id, path, replace=True)
         self.run(self.engine.add_lora(request), SHORT_TIMEOUT, "add_lora")
 
     def remove_lora(self, lora_id: int) -> None:
         self.run(self.engine.remove_lora(lora_id), SHORT_TIMEOUT, "remove_lora")
 
     def describe(self) -> str:
-        ranks = len(compat.dp_engines(self.engine))
+        ranks = len(introspect.dp_engines(self.engine))
         dp = f", {ranks} data-parallel ranks" if ranks else ""
         return f"AsyncLLM ({self.num_workers} worker(s){dp}, pause={self.pause_mode!r})"
 
@@ -222,7 +222,7 @@ class PauseGate:
                 if ours:
                     handle.run(handle.engine.resume_generation(), SHORT_TIMEOUT, "resume_generation")
                     if self.preempted and self.label is not None:  # recompute: part of the stall
-                        read, label = functools.partial(compat.requests_in_flight, handle.engine), self.label
+                        read, label = functools.partial(introspect.requests_in_flight, handle.engine), self.label
                         waited = recomputed(read, self.preempted, label, RECOMPUTE_TIMEOUT)
                         self.recompute_s = handle.run(waited, RECOMPUTE_TIMEOUT + 5.0, "the re-prefill")
             finally:
@@ -285,8 +285,8 @@ def _refusing(
 
 
 async def _in_flight(engine: Any) -> dict[str, tuple[int, str | None]]:
-    """:func:`~hotweights.vllm.compat.requests_in_flight`, read on the engine's loop (which updates them)."""
-    return compat.requests_in_flight(engine)
+    """:func:`~hotweights.vllm.introspect.requests_in_flight`, read on the engine's loop (which updates them)."""
+    return introspect.requests_in_flight(engine)
 
 
 def _in_loop_thread(loop: asyncio.AbstractEventLoop) -> bool:

@@ -30,7 +30,7 @@ from hotweights.core.errors import EngineNotSupportedError, HotWeightsTimeoutErr
 from hotweights.core.gate import WriteGate
 from hotweights.core.manifest import ExpectedWeights
 from hotweights.handles.pause import PauseOwner
-from hotweights.vllm.compat import WORKER_EXTENSION
+from hotweights.vllm.introspect import WORKER_EXTENSION
 from hotweights.vllm.plugin import BACKEND
 
 __all__ = ["EngineHandle", "PauseMode"]
@@ -142,7 +142,7 @@ class EngineHandle(ABC):
     @property
     def extensible_kv_cache(self) -> bool:
         """Whether the engine's KV cache is vLLM 0.34's extensible one (see
-        :func:`hotweights.vllm.compat.kv_cache_lent`)."""
+        :func:`hotweights.vllm.worker.runner.kv_cache_lent`)."""
         return False
 
     @property
@@ -305,11 +305,11 @@ class EngineHandle(ABC):
         return torch.float32
 
     def vllm_fixes(self) -> tuple[str, ...] | None:
-        """The mends of vLLM's reload (:data:`~hotweights.vllm.compat.VLLM_FIXES`) in place where the engine's
+        """The mends of vLLM's reload (:data:`~hotweights.vllm.fixes.VLLM_FIXES`) in place where the engine's
         workers run: asked of the workers through the worker extension; else, where hotweights' vLLM plugin reaches
         the engine's processes, the ones this environment applies; ``()`` where the plugin is kept out
         (``VLLM_PLUGINS``); None where it cannot be told from here."""
-        from hotweights.vllm import compat
+        from hotweights.vllm.fixes import apply_vllm_fixes, vllm_fixes_reach_workers
 
         if self.worker_extension == WORKER_EXTENSION:
             answers = self.call("hotweights_engine", "status", "{}", timeout=PAUSE_CALL_TIMEOUT)
@@ -318,7 +318,7 @@ class EngineHandle(ABC):
                 return tuple(str(f) for f in fixes)
         if self.model_config() is None:
             return None
-        return compat.apply_vllm_fixes() if compat.vllm_fixes_reach_workers() else ()
+        return apply_vllm_fixes() if vllm_fixes_reach_workers() else ()
 
     def family(self) -> tuple[str | None, str, str]:
         """``(architecture, vLLM version, device kind)`` of the engine, as far as they can be read from here: from

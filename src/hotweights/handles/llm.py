@@ -11,7 +11,7 @@ from hotweights.core.gate import ServingGate
 from hotweights.core.manifest import ExpectedWeights
 from hotweights.handles.handle import EngineHandle, PauseMode
 from hotweights.handles.sleep import SleepTracker
-from hotweights.vllm import compat
+from hotweights.vllm import fixes, introspect, patches, rpc
 from hotweights.vllm.expected import expected_weights
 from hotweights.vllm.liveness import death
 from hotweights.vllm.worker.ops import clear_kv_cache
@@ -27,13 +27,13 @@ class LLMHandle(EngineHandle):
     probes: ClassVar[bool] = True
 
     def __init__(self, llm: Any) -> None:
-        if compat.engine_kind(llm) != "llm":
+        if introspect.engine_kind(llm) != "llm":
             raise TypeError(f"LLMHandle takes a vllm.LLM, not {type(llm).__name__}")
         self.llm = llm
         self._gate: ServingGate | None = None
         self._sleep = SleepTracker(llm, is_async=False)
-        compat.serialize_core_sends(llm)  # an install's calls and another thread's generate share one socket
-        compat.watch_core_calls(llm)  # a call into an engine core that died fails within a second, typed
+        patches.serialize_core_sends(llm)  # an install's calls and another thread's generate share one socket
+        patches.watch_core_calls(llm)  # a call into an engine core that died fails within a second, typed
 
     def check_alive(self) -> None:
         """Raise :class:`EngineDiedError` where the engine can no longer serve: an in-process engine that was shut
@@ -54,24 +54,24 @@ class LLMHandle(EngineHandle):
 
     @property
     def num_workers(self) -> int:
-        return compat.num_workers(self.llm)
+        return introspect.num_workers(self.llm)
 
     @property
     def inprocess(self) -> bool:
-        return compat.engine_mode(self.llm) == "inprocess"
+        return introspect.engine_mode(self.llm) == "inprocess"
 
     @property
     def worker_extension(self) -> str:
-        return compat.worker_extension(self.llm)
+        return introspect.worker_extension(self.llm)
 
     @property
     def weight_transfer_backend(self) -> str:
-        return compat.weight_transfer_backend(self.llm)
+        return introspect.weight_transfer_backend(self.llm)
 
     def call(
         self, method: str, *args: Any, timeout: float | None = None, kwargs: dict[str, Any] | None = None
     ) -> list[Any]:
-        return compat.rpc(self.llm, method, *args, timeout=timeout, kwargs=kwargs)
+        return rpc.rpc(self.llm, method, *args, timeout=timeout, kwargs=kwargs)
 
     def expected_weights(self) -> ExpectedWeights | None:
         return expected_weights(self.llm)
@@ -79,27 +79,27 @@ class LLMHandle(EngineHandle):
     @property
     def gate(self) -> ServingGate:
         if self._gate is None:
-            self._gate = compat.serving_gate(self.llm)
+            self._gate = patches.serving_gate(self.llm)
         return self._gate
 
     def reset_prefix_cache(self) -> bool:
-        return compat.reset_prefix_cache(self.llm)
+        return introspect.reset_prefix_cache(self.llm)
 
     def set_weight_version(self, version: str) -> str | None:
-        return compat.set_engine_weight_version(self.llm, version)
+        return introspect.set_engine_weight_version(self.llm, version)
 
     def get_weight_version(self) -> str | None:
-        return compat.engine_weight_version(self.llm)
+        return introspect.engine_weight_version(self.llm)
 
     def is_sleeping(self) -> bool:
         self.check_alive()  # asked before any install writes (also by an adapter used without hotweights.install)
-        exact = compat.weights_asleep_inprocess(self.llm)
+        exact = introspect.weights_asleep_inprocess(self.llm)
         if exact is not None:
             return exact
-        return self._sleep.asleep(lambda: compat.is_sleeping(self.llm) and self._asleep_though_vllm_says_so())
+        return self._sleep.asleep(lambda: introspect.is_sleeping(self.llm) and self._asleep_though_vllm_says_so())
 
     def scheduler_paused(self) -> bool | None:
-        return compat.scheduler_paused(self.llm)
+        return introspect.scheduler_paused(self.llm)
 
     def clear_kv_cache(self) -> int | None:
         if self.inprocess:
@@ -107,34 +107,34 @@ class LLMHandle(EngineHandle):
         return super().clear_kv_cache()
 
     def on_shutdown(self, callback: Callable[[], object]) -> None:
-        compat.on_shutdown(self.llm, callback)
+        patches.on_shutdown(self.llm, callback)
 
     def model_config(self) -> Any:
-        return compat.engine_model_config(self.llm).hf_config
+        return introspect.engine_model_config(self.llm).hf_config
 
     @property
     def extensible_kv_cache(self) -> bool:
-        return compat.extensible_kv_cache(self.llm)
+        return introspect.extensible_kv_cache(self.llm)
 
     def engine_dtype(self) -> Any:
-        return compat.engine_dtype(self.llm)
+        return introspect.engine_dtype(self.llm)
 
     def max_lora_rank(self) -> int | None:
-        return compat.max_lora_rank(self.llm)
+        return introspect.max_lora_rank(self.llm)
 
     def add_lora(self, name: str, lora_id: int, path: str) -> None:
-        self.llm.llm_engine.add_lora(compat.lora_request(name, lora_id, path, replace=True))
+        self.llm.llm_engine.add_lora(introspect.lora_request(name, lora_id, path, replace=True))
 
     def remove_lora(self, lora_id: int) -> None:
         self.llm.llm_engine.remove_lora(lora_id)
 
     def vllm_fixes(self) -> tuple[str, ...] | None:
         if self.inprocess:  # the workers are this process
-            return compat.apply_vllm_fixes()
+            return fixes.apply_vllm_fixes()
         return super().vllm_fixes()
 
     def prompt_logprobs(self, token_ids: Sequence[int]) -> list[float | None] | None:
-        return compat.prompt_logprobs(self.llm, token_ids)
+        return introspect.prompt_logprobs(self.llm, token_ids)
 
     def describe(self) -> str:
         mode = "in-process" if self.inprocess else f"multiprocess, {self.num_workers} worker(s)"

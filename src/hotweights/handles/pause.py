@@ -206,7 +206,7 @@ class KvEpoch:
 
 def decoding(states: Mapping[str, tuple[int, str | None]]) -> frozenset[str]:
     """The requests that produced tokens already (their KV holds decoded tokens: a preemption recomputes them), out
-    of ``states`` (:func:`hotweights.vllm.compat.requests_in_flight`)."""
+    of ``states`` (:func:`hotweights.vllm.introspect.requests_in_flight`)."""
     return frozenset(rid for rid, (tokens, _) in states.items() if tokens > 0)
 
 
@@ -218,7 +218,7 @@ async def recomputed(
 ) -> float | None:
     """Wait until each request of ``preempted`` produced a token labelled ``label`` (the new weights: prompt and
     earlier tokens were prefilled again) or ended; ``read()`` gives the requests in flight
-    (:func:`hotweights.vllm.compat.requests_in_flight`). Returns the seconds waited, or None after ``timeout``
+    (:func:`hotweights.vllm.introspect.requests_in_flight`). Returns the seconds waited, or None after ``timeout``
     seconds (logged: the install goes on)."""
     start = time.perf_counter()
     waiting = set(preempted)

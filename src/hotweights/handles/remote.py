@@ -36,8 +36,9 @@ from hotweights.handles.pause import PauseOwner
 from hotweights.telemetry import best_effort
 from hotweights.telemetry import logger as _log
 from hotweights.versions import record_kv
-from hotweights.vllm.compat import TESTED_VLLM, WORKER_EXTENSION
+from hotweights.vllm.compat import TESTED_VLLM
 from hotweights.vllm.expected import checkpoint_dir, checkpoint_expected
+from hotweights.vllm.introspect import WORKER_EXTENSION
 from hotweights.vllm.plugin import BACKEND
 
 if TYPE_CHECKING:

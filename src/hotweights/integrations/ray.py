@@ -89,7 +89,7 @@ class _ActorSide:
     def describe(self) -> dict[str, Any]:
         import ray
 
-        from hotweights.vllm.compat import WORKER_EXTENSION
+        from hotweights.vllm.introspect import WORKER_EXTENSION
 
         h = self.handle
         if h.worker_extension != WORKER_EXTENSION:

@@ -38,7 +38,7 @@ from hotweights.core import attach as _attach
 from hotweights.core.errors import EngineNotSupportedError, HotWeightsError
 from hotweights.core.report import InstallReport
 from hotweights.handles import as_engine
-from hotweights.vllm import compat
+from hotweights.vllm import introspect
 
 __all__ = ["LORA_NAME", "TRLWeightSync", "attach", "lora_engine"]
 
@@ -209,7 +209,7 @@ def attach(trainer: Any, *, lora: bool | None = None, **install_options: Any) ->
     dtype: torch.dtype | None = None
     if gen.mode == "colocate":
         target = gen.llm  # every colocated rank holds its own engine (or its TP shard's)
-        dtype = compat.engine_dtype(target)
+        dtype = introspect.engine_dtype(target)
     elif gen.mode == "server":
         connect = getattr(hotweights, "connect", None)
         if connect is None:

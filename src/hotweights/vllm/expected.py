@@ -18,7 +18,7 @@ from typing import Any
 from hotweights.core import attach
 from hotweights.core.errors import WeightManifestValidationError
 from hotweights.core.manifest import ExpectedWeights, TensorSpec, WeightUpdateManifest, dtype_to_str
-from hotweights.vllm import compat
+from hotweights.vllm import introspect
 
 __all__ = ["check_manifest", "checkpoint_dir", "checkpoint_expected", "expected_from_config", "expected_weights"]
 
@@ -54,7 +54,7 @@ def expected_from_config(model_config: Any, load_config: Any = None) -> Expected
     )
     if model_dir is None:
         return None
-    tied = compat.config_ties_embeddings(model_config)
+    tied = introspect.config_ties_embeddings(model_config)
     return checkpoint_expected(model_dir, dtype_to_str(model_config.dtype), tied=tied)
 
 
@@ -92,7 +92,7 @@ def _model_kind(model_dir: Path) -> tuple[str | None, tuple[str, ...]]:
 
 def expected_weights(llm: Any) -> ExpectedWeights | None:
     """What ``llm`` (a ``vllm.LLM`` or ``AsyncLLM``) accepts, read on the trainer's side."""
-    return expected_from_config(compat.engine_model_config(llm), compat.engine_load_config(llm))
+    return expected_from_config(introspect.engine_model_config(llm), introspect.engine_load_config(llm))
 
 
 def check_manifest(owner: Any, manifest: WeightUpdateManifest) -> None:

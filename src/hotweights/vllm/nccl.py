@@ -10,7 +10,7 @@ writing, atomic commit, versions, delta, read-back), which vLLM's engine alone d
 It runs under the worker extension and under the ``hotweights`` weight-transfer backend (an engine started with
 neither has no session to stage into). On a GPU: ``backend="nccl"`` (the trainer's tensors are moved to its
 ``device`` as they are packed). On a machine without an accelerator, ``backend="gloo"`` runs the same vLLM code over
-gloo (:func:`hotweights.vllm.compat.nccl_transfer_as`): how the suite proves the path on CPU.
+gloo (:func:`hotweights.vllm.nccl_gloo.nccl_transfer_as`): how the suite proves the path on CPU.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from hotweights.core.errors import EngineNotSupportedError
 from hotweights.core.manifest import WeightUpdateManifest
 from hotweights.transports import collective
 from hotweights.transports.transport import Descriptor, receives_bucket
-from hotweights.vllm.compat import nccl_transfer_as
+from hotweights.vllm.nccl_gloo import nccl_transfer_as
 
 __all__ = [
     "MAX_BUFFERS",
@@ -176,7 +176,7 @@ def leave(owner: Any) -> bool:
 
 def _parts(owner: Any) -> tuple[Any, torch.device, torch.nn.Module]:
     """vLLM's config, the device and the model of a worker or of a weight-transfer backend."""
-    from hotweights.vllm.compat import worker_model
+    from hotweights.vllm.worker.runner import worker_model
 
     model = getattr(owner, "model", None)
     if not isinstance(model, torch.nn.Module):

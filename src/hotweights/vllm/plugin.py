@@ -1,5 +1,5 @@
 """vLLM general plugin (entry point ``vllm.general_plugins``), run in every vLLM process: mends vLLM's weight
-reload where it would serve wrong output (:data:`~hotweights.vllm.compat.VLLM_FIXES`) and registers the
+reload where it would serve wrong output (:data:`~hotweights.vllm.fixes.VLLM_FIXES`) and registers the
 ``"hotweights"`` weight-transfer backend, engine side and trainer side. Safe to call more than once."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ BACKEND = "hotweights"
 
 
 def register() -> None:
-    """Apply :func:`~hotweights.vllm.compat.apply_vllm_fixes`; register
+    """Apply :func:`~hotweights.vllm.fixes.apply_vllm_fixes`; register
     :class:`~hotweights.vllm.worker.transfer_backend.HotWeightsTransferEngine` (lazily imported)."""
-    from hotweights.vllm.compat import apply_vllm_fixes
+    from hotweights.vllm.fixes import apply_vllm_fixes
 
     apply_vllm_fixes()
     try:

@@ -1,7 +1,7 @@
 """Layers that borrow another layer's weight (a tied LM head): vLLM's reload rebuilds the owner, not the borrower.
 
 Used by every install path in a worker (:mod:`~hotweights.vllm.worker.ops`, the direct setter, the streams) and
-by the tied-head mend of vLLM's reload (:mod:`~hotweights.vllm.compat`).
+by the tied-head mend of vLLM's reload (:mod:`~hotweights.vllm.fixes`).
 """
 
 from __future__ import annotations

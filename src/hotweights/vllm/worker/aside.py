@@ -27,8 +27,9 @@ from typing import Any
 
 import torch
 
-from hotweights.vllm.compat import apply_vllm_fixes, mark_weight_update
+from hotweights.vllm.fixes import apply_vllm_fixes
 from hotweights.vllm.worker import ops as worker_ops
+from hotweights.vllm.worker.runner import mark_weight_update
 
 __all__ = ["AsideStream", "Twin"]
 

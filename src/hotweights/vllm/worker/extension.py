@@ -96,10 +96,12 @@ def _status(worker: Any) -> dict[str, Any]:
     this worker's own delta copy, and the trainer's shared copy it maps (``""``: none); the install session open
     (``""``: none), the last updates dropped by their staging expiry, and the model's architecture, the vLLM
     version and device kind (what :mod:`hotweights.core.families` proves families on), and the mends of vLLM's
-    reload in place in this worker (:data:`~hotweights.vllm.compat.VLLM_FIXES`), and vLLM's NCCL engine it joined
+    reload in place in this worker (:data:`~hotweights.vllm.fixes.VLLM_FIXES`), and vLLM's NCCL engine it joined
     through (:func:`hotweights.vllm.nccl.joined`)."""
-    from hotweights.vllm.compat import apply_vllm_fixes, device_kind, vllm_version, weights_asleep_here
+    from hotweights.vllm.compat import device_kind, vllm_version
+    from hotweights.vllm.fixes import apply_vllm_fixes
     from hotweights.vllm.nccl import joined
+    from hotweights.vllm.worker.runner import weights_asleep_here
 
     session = session_of(worker)
     config = getattr(getattr(worker, "model_config", None), "hf_config", None)

@@ -2,7 +2,7 @@
 process, through the worker extension in a spawned worker, or in the weight-transfer backend (which passes a
 stand-in with the worker's ``model_runner`` and ``reload_weights``).
 
-With :mod:`hotweights.vllm.compat`, the only place that reaches vLLM's worker (its model runner, layerwise reload
+With :mod:`hotweights.vllm.worker.runner`, the only place that reaches vLLM's worker (its model runner, layerwise reload
 and KV cache); :mod:`~hotweights.vllm.worker.setter`, :mod:`~hotweights.vllm.worker.readback` and the streams read the
 model's layers.
 """
@@ -16,8 +16,9 @@ from typing import Any
 
 import torch
 
-from hotweights.vllm.compat import apply_vllm_fixes, mark_weight_update, reload_model_inplace, worker_model
+from hotweights.vllm.fixes import apply_vllm_fixes
 from hotweights.vllm.tied import refresh_tied_layers, tied_borrowers
+from hotweights.vllm.worker.runner import mark_weight_update, reload_model_inplace, worker_model
 
 __all__ = [
     "after_weights_changed",
@@ -33,7 +34,7 @@ __all__ = [
 
 def reload_checkpoint_tensors(worker: Any, items: Iterable[tuple[str, torch.Tensor]]) -> int:
     """One layerwise reload of checkpoint-format tensors, with vLLM's reload mended
-    (:func:`~hotweights.vllm.compat.apply_vllm_fixes`: MoE experts re-packed, tied heads refreshed).
+    (:func:`~hotweights.vllm.fixes.apply_vllm_fixes`: MoE experts re-packed, tied heads refreshed).
 
     Returns the number of tied layers refreshed.
     """

@@ -83,7 +83,7 @@ def _packer(layer: Any) -> tuple[Any, str]:
     isa = getattr(experts, "isa", None)
     if isa is None:  # a GPU kernel may shuffle its layout in ways not rebuilt here
         return None, f"{type(experts).__name__}'s layout is not rebuilt here (CPU experts are)"
-    from hotweights.vllm.compat import cpu_prepack_moe_weight
+    from hotweights.vllm.worker.runner import cpu_prepack_moe_weight
 
     prepack = cpu_prepack_moe_weight()
     return (lambda w: prepack(w, isa)), ""

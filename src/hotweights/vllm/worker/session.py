@@ -84,8 +84,8 @@ class SessionOptions(pydantic.BaseModel):
     refused: :class:`~hotweights.NonFiniteWeightsError`)."""
     kv_reclaimable: bool = False
     """The trainer keeps generation off the engine and resets its caches after (pause ``wait`` or ``abort``): a
-    reload may borrow vLLM 0.34's extensible KV cache (:func:`hotweights.vllm.compat.kv_cache_lent`). Sent only to
-    an engine that has one."""
+    reload may borrow vLLM 0.34's extensible KV cache (:func:`hotweights.vllm.worker.runner.kv_cache_lent`). Sent
+    only to an engine that has one."""
     expires_s: float | None = pydantic.Field(default=None, gt=0, le=MAX_EXPIRY_S)
     """Drop what was staged if no commit came within this many seconds (a fleet's trainer that died between stage
     and commit); None: kept until the next ``begin``. At most :data:`MAX_EXPIRY_S`."""
@@ -266,7 +266,7 @@ class WorkerSession:
         assert prepared is not None
         self.options = self.prepared = self.delta = self.update_id = None
         self._arm(update_id, None)
-        from hotweights.vllm.compat import kv_cache_lent
+        from hotweights.vllm.worker.runner import kv_cache_lent
 
         with kv_cache_lent(self.worker, reclaimable=options.kv_reclaimable, lend=False):
             return self._commit(options, prepared)

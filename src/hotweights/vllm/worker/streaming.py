@@ -22,8 +22,8 @@ from typing import Any, Protocol
 import torch
 
 from hotweights.core.manifest import WeightUpdateManifest
-from hotweights.vllm.compat import kv_cache_lent
 from hotweights.vllm.worker import ops as worker_ops
+from hotweights.vllm.worker.runner import kv_cache_lent
 from hotweights.vllm.worker.setter import DirectPlan, apply_direct, model_slots, plan_direct
 
 __all__ = ["DirectStream", "ReloadStream", "Stream", "open_stream"]
