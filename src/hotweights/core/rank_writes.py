@@ -13,8 +13,9 @@ Protocol, per bucket the ranks write (:meth:`RankWrites.transfer`):
 1. the leader broadcasts ``(WRITE, -1, n)`` and the ``n``-byte payload ``{"path": ..., "pieces": {rank: [piece,
    ...]}}``, where a piece is ``{"source": index, "offset": bytes, "shape": [...], "rows": [start, stop, dim]}``
    or, for a view, ``{..., "view": [size, stride, [offset]]}``;
-2. every rank named writes its pieces (the ``open_file`` it was given: :func:`hotweights._install` passes the shm
-   transport's) while the leader writes its own, and answers ``{"written": bytes}`` or ``{"error": ...}``;
+2. every rank named writes its pieces (the ``open_file`` it was given: :mod:`hotweights._install` passes
+   :func:`hotweights.transports.shm_writes.opened_for_writes`) while the leader writes its own, and answers
+   ``{"written": bytes}`` or ``{"error": ...}``;
 3. with every answer in, the leader stages the bucket.
 """
 
