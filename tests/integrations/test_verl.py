@@ -9,6 +9,7 @@ and nothing in /dev/shm. Runs in .venv-verl (``make test-verl``); skipped where 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import subprocess
@@ -17,6 +18,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -249,3 +251,49 @@ def test_multiprocess_engine_exact_and_refusal_typed(fresh: Any) -> None:
     finally:
         stop_engine(llm)
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+
+
+def test_verls_own_call_path_into_the_extension(engine: Any, fresh: Any) -> None:
+    """verl's own colocated sync, as far up as runs here: its trainer worker's ``ActorRolloutRefWorker.update_weights``
+    (mode ``naive``, engine_workers.py:728) calls its ``ServerAdapter.update_weights`` (vllm_rollout.py:210), which
+    starts the RPC on the server actor and runs verl's sender. Stand-ins: the trainer worker itself (its actor's
+    ``get_per_tensor_param``; the worker is built by Ray with an FSDP engine) and the server's Ray actor (an object
+    with its methods, over the in-process engine). A step is exact; a refused one raises the typed error out of
+    verl's own ``update_weights``, the previous weights serving."""
+    try:
+        from verl.workers.engine_workers import ActorRolloutRefWorker
+    except ImportError as exc:  # its trainer worker imports `datasets` (make test-verl installs it)
+        pytest.skip(f"verl's trainer worker cannot be imported here ({exc})")
+    from omegaconf import OmegaConf
+
+    from .verl_helpers import for_llm, server_adapter, verl_worker_env
+
+    verl_worker_env()
+    adapter = server_adapter(for_llm(engine))
+    served, version = greedy_vllm(engine), _version(engine)
+    seed = next(s for s in (1, 2, 3) if fresh[s][1] != served)
+    sent: dict[str, torch.Tensor] = {}
+    actor = SimpleNamespace(
+        engine=SimpleNamespace(
+            get_per_tensor_param=lambda **_: (iter(sent.items()), None), is_param_offload_enabled=False
+        )
+    )
+    worker = SimpleNamespace(
+        config=OmegaConf.create({"rollout": {"name": "vllm", "free_cache_engine": False}}),
+        rollout=adapter,
+        actor=actor,
+        layered_summon=False,
+        peft_merge=False,
+        base_sync_done=True,
+    )
+    sent.update(_weights(seed))
+    asyncio.run(ActorRolloutRefWorker.update_weights(worker, global_steps=42, mode="naive"))
+    assert greedy_vllm(engine) == fresh[seed][1]
+    assert _version(engine) == (version or 0) + 1  # verl's ServerAdapter passes no step: the worker counts
+    assert adapter.server_handle.global_steps == 42 and adapter.server_handle.calls == ["update_weights_from_ipc"]
+    sent.clear()
+    sent.update(_weights(0))
+    sent["model.norm.weight"] = torch.ones(3)
+    with pytest.raises(hotweights.WeightManifestValidationError, match=r"model\.norm\.weight"):
+        asyncio.run(ActorRolloutRefWorker.update_weights(worker, global_steps=43, mode="naive"))
+    assert greedy_vllm(engine) == fresh[seed][1] and adapter.server_handle.global_steps == 42

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
 import contextlib
 import json
 import os
@@ -31,7 +32,13 @@ def use_cpu() -> None:
         device_name = "cpu"
         vendor_name = "cpu"
         device_module = SimpleNamespace(
-            synchronize=lambda *a: None, empty_cache=lambda: None, ipc_collect=lambda: None, is_available=lambda: True
+            synchronize=lambda *a: None,
+            empty_cache=lambda: None,
+            ipc_collect=lambda: None,
+            is_available=lambda: True,
+            memory_allocated=lambda *a: 0,  # verl's log_gpu_memory_usage reads these on its update_weights path
+            memory_reserved=lambda *a: 0,
+            mem_get_info=lambda *a: (0, 0),
         )
 
         def is_available(self) -> bool:
@@ -92,6 +99,99 @@ def use_cpu() -> None:
             return None
 
     set_platform(CPUPlatform())
+
+
+class _Remote:
+    """One method of a stand-in Ray actor: ``.remote(...)`` starts it at once in a thread of its own (as Ray sends
+    the call at once: verl's sender then blocks the event loop on its ZMQ socket) and returns the awaitable verl
+    awaits (a Ray ``ObjectRef`` in verl)."""
+
+    def __init__(self, fn: Any) -> None:
+        self.fn = fn
+
+    def remote(self, *args: Any, **kwargs: Any) -> Any:
+        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+
+        def run() -> None:
+            try:
+                future.set_result(self.fn(*args, **kwargs))
+            except BaseException as exc:
+                future.set_exception(exc)
+
+        threading.Thread(target=run, daemon=True).start()
+        return asyncio.wrap_future(future)
+
+
+class ServerActor:
+    """What verl's ``ServerAdapter`` asks of its server actor (``vLLMHttpServer``, vllm_async_server.py:249, 864,
+    924), on an engine reached without Ray: ``rpc(method, kwargs)`` runs a worker call (an in-process ``LLM``'s
+    ``collective_rpc``, or a server's ``/collective_rpc``), ``reset()`` resets its prefix cache. As verl's server,
+    ``collective_rpc`` drops the workers' answers and raises their error."""
+
+    def __init__(self, rpc: Any, reset: Any) -> None:
+        self.global_steps: int | None = None
+        self.calls: list[str] = []
+
+        def collective_rpc(method: str, timeout: float | None = None, args: tuple = (), kwargs: Any = None) -> None:
+            self.calls.append(method)
+            rpc(method, dict(kwargs or {}))
+
+        def set_global_steps(steps: int) -> None:
+            self.global_steps = steps
+
+        self.collective_rpc = _Remote(collective_rpc)
+        self.clear_kv_cache = _Remote(lambda: reset())
+        self.set_global_steps = _Remote(set_global_steps)
+        self.wake_up = _Remote(lambda tags=None: None)
+
+
+def for_llm(llm: Any) -> ServerActor:
+    """A stand-in server actor for an in-process ``vllm.LLM``."""
+    return ServerActor(lambda m, kw: llm.collective_rpc(m, kwargs=kw), llm.reset_prefix_cache)
+
+
+def for_url(url: str) -> ServerActor:
+    """A stand-in server actor for a ``vllm serve`` process with the dev routes (``VLLM_SERVER_DEV_MODE=1``)."""
+    import httpx
+
+    def post(path: str, body: Any = None) -> None:
+        with httpx.Client(base_url=url, trust_env=False, timeout=120) as client:
+            answer = client.post(path, json=body)
+        if not answer.is_success:
+            raise RuntimeError(f"{path} answered {answer.status_code}: {answer.text[-2000:]}")
+
+    return ServerActor(
+        lambda m, kw: post("/collective_rpc", {"method": m, "kwargs": kw}), lambda: post("/reset_prefix_cache")
+    )
+
+
+def verl_worker_env() -> None:
+    """The environment verl's Ray workers run with (rank 0 of 1, a free port for the gloo group verl's
+    ``CheckpointEngineWorker`` starts), and a Ray runtime context whose job id is ``VERL_RAY_JOB_ID`` (verl's
+    ``ServerAdapter`` names its ZMQ socket by it), so verl's classes build without a Ray cluster."""
+    import socket
+
+    import ray
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", RAY_LOCAL_WORLD_SIZE="1")
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    job = os.environ.get("VERL_RAY_JOB_ID", "0")
+    ray.get_runtime_context = lambda: SimpleNamespace(get_job_id=lambda: job)
+
+
+def server_adapter(actor: ServerActor, bucket_mb: int = 1, **config: Any) -> Any:
+    """verl's own ``ServerAdapter`` (its rollout's client of the server), on ``actor``."""
+    from verl.workers.config import CheckpointEngineConfig, RolloutConfig
+    from verl.workers.rollout.vllm_rollout.vllm_rollout import ServerAdapter
+
+    engine = CheckpointEngineConfig(update_weights_bucket_megabytes=bucket_mb)
+    rollout = RolloutConfig(name="vllm", free_cache_engine=False, checkpoint_engine=engine, **config)
+    adapter = ServerAdapter(config=rollout, model_config=None, device_mesh=None)
+    adapter.server_handle = actor
+    return adapter
 
 
 def zmq_handle(rank: int = 0) -> str:

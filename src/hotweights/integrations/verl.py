@@ -1,24 +1,21 @@
 """verl's rollouts through hotweights: a worker extension verl names in its engine kwargs, nothing else changes.
 
-verl (0.9) syncs a colocated vLLM rollout with ``BucketedWeightSender``: ZMQ messages describing each bucket, the
-bytes in shared memory (or a CUDA IPC buffer), one acknowledgement per bucket. Its worker side,
-``vLLMColocateWorkerExtension.update_weights_from_ipc``, loads each bucket straight into the live model. With::
+verl (0.9) syncs a colocated vLLM rollout with ``BucketedWeightSender`` (ZMQ messages describing each bucket, the
+bytes in shared memory or a CUDA IPC buffer, one acknowledgement per bucket); its worker side loads each bucket
+straight into the live model. With ``actor_rollout_ref.rollout.engine_kwargs.vllm.worker_extension_cls=`` this
+module's ``VerlWorkerExtension``, the same RPC (``update_weights_from_ipc``) stages each bucket into hotweights'
+install session instead: checked against what the engine serves before anything is written, cast to the engine's
+dtype, committed atomically on the last bucket and versioned by ``global_steps`` when passed (else one more than
+the last). Every message is answered, so the sender returns; a refused or failed update then raises in the RPC with
+hotweights' typed error (:func:`hotweights.core.envelope.decode`), the previous weights serving. A sender silent for
+:data:`TIMEOUT_ENV` seconds ends the update the same way. An update of no tensors installs nothing (verl's rollout
+side of the ``hotweights`` checkpoint engine sends one: :mod:`hotweights.integrations.verl_checkpoint`). verl's
+messages are read with an unpickler that admits only the torch types its protocol carries.
 
-    actor_rollout_ref.rollout.engine_kwargs.vllm.worker_extension_cls=hotweights.integrations.verl.VerlWorkerExtension
-
-the same RPC speaks verl's protocol to verl's unchanged sender, but stages each bucket into hotweights' install
-session (:mod:`hotweights.vllm.worker.session`): checked against the checkpoint the engine serves (names, shapes)
-before anything is written, cast to the engine's dtype, and committed atomically on the last bucket, versioned by
-verl's ``global_steps`` when one is passed (else one more than the last). It always answers the sender: a refused or
-failed update is acknowledged to the end (the sender returns), then raises in the RPC with hotweights' typed error
-(its envelope crosses vLLM's RPC: :func:`hotweights.core.envelope.decode`); the previous weights keep serving. A
-sender that stops sending for :data:`TIMEOUT_ENV` seconds (default :data:`DEFAULT_TIMEOUT_S`) ends the update the
-same way. verl's messages are read with an unpickler that admits only the torch types verl's protocol carries.
-
-``VerlWorkerExtension`` subclasses verl's own extension (everything else verl calls on it, such as
-``monkey_patch_model``, is verl's) and hotweights' :data:`hotweights.WORKER_EXTENSION`; it is built when first
-looked up, so importing this module never imports verl. LoRA syncs (``peft_config`` with ``base_sync_done``) are
-refused with :class:`~hotweights.EngineNotSupportedError` for now: set ``actor_rollout_ref.model.lora.merge=True``.
+``VerlWorkerExtension`` subclasses verl's own extension (``monkey_patch_model`` and the rest stay verl's) and
+hotweights' :data:`hotweights.WORKER_EXTENSION`; it is built when first looked up, so importing this module never
+imports verl. LoRA adapter syncs are refused (:class:`~hotweights.EngineNotSupportedError`): set
+``actor_rollout_ref.model.lora.merge=True``.
 """
 
 from __future__ import annotations
@@ -177,10 +174,8 @@ class _Update:
 
     def commit(self) -> dict[str, int | str | float]:
         """Validate (every tensor arrived) and install atomically; returns the session's summary."""
-        if not self.specs:
-            raise WeightManifestValidationError(
-                [Mismatch("manifest", "update", actual="verl sent no tensors")], context="verl's update"
-            )
+        if not self.specs:  # an empty update (a checkpoint engine's rollout side, when the trainer installed)
+            return {}
         if self.update_id is None:
             self._begin(self.specs)
             assert self.update_id is not None
@@ -249,11 +244,7 @@ class _Buffer:
         self.path: Path | None = None
         self._map: mmap.mmap | None = None
         if use_shm:
-            if (
-                not isinstance(meta, dict)
-                or not isinstance(meta.get("name"), str)
-                or not isinstance(meta.get("size"), int)
-            ):
+            if not (isinstance(meta, dict) and isinstance(meta.get("name"), str) and isinstance(meta.get("size"), int)):
                 raise InstallError(f"verl's sender announced no shared-memory buffer (got {type(meta).__name__})")
             if not SHM_NAME.fullmatch(meta["name"]):
                 raise InstallError(f"verl's shared-memory buffer is named {meta['name']!r}, not verl_weights_<hex>")
@@ -266,10 +257,9 @@ class _Buffer:
                 os.close(fd)
             with warnings.catch_warnings():  # read-only on purpose: this worker never writes into the sender's file
                 warnings.simplefilter("ignore", UserWarning)
+                empty = self._map is None
                 self.tensor = (
-                    torch.frombuffer(self._map, dtype=torch.uint8)
-                    if self._map is not None
-                    else torch.empty(0, dtype=torch.uint8)
+                    torch.empty(0, dtype=torch.uint8) if empty else torch.frombuffer(self._map, dtype=torch.uint8)
                 )
         else:
             self.tensor = _rebuild_ipc(meta, device)
@@ -445,6 +435,8 @@ class VerlReceiver(HotWeightsWorkerExtension):
             socket.close(linger=0)
         if refusal is not None:
             raise refusal
+        if not result:  # nothing sent, nothing installed: the version stays
+            return {"tensors": 0, "bytes": 0, "weight_version": attach.get(worker, "verl_version", 0)}
         attach.put(worker, "verl_version", version)
         return {**result, "weight_version": version}
 
