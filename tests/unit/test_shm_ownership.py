@@ -243,10 +243,13 @@ def test_a_forked_child_does_not_keep_a_killed_parents_files() -> None:
         + """
         transport = shm.Transport()
         transport.send(bucket, tensors, lambda d: paths.append(d["path"]))
+        ready, said = os.pipe()
         child = os.fork()
-        if child == 0:
+        if child == 0:  # the fork's handlers ran before this line: the inherited descriptors are closed
+            os.write(said, b"1")
             time.sleep(3600)
             os._exit(0)
+        os.read(ready, 1)  # not before the child got that far (a loaded machine may run it late)
         print(json.dumps({"paths": paths, "child": child}), flush=True)
         time.sleep(3600)
     """
