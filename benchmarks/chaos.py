@@ -82,7 +82,7 @@ os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 import torch
 
 import hotweights
-from hotweights.adapters.multiprocess import VLLMMultiprocessAdapter
+from hotweights.adapters import VLLMMultiprocessAdapter
 from hotweights.core.buckets import Bucket
 from hotweights.testing import (
     PROMPTS,

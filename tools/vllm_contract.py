@@ -795,7 +795,7 @@ CONTRACT: tuple[Entry, ...] = (
         for a in ("name", "dtype", "shape")
     ),
     *(
-        _e(_WORKER, f"Worker.{m}", "method", "adapters.native", "the native flow, by collective_rpc", kwargs=k)
+        _e(_WORKER, f"Worker.{m}", "method", "adapters.presets", "the native flow, by collective_rpc", kwargs=k)
         for m, k in (
             ("init_weight_transfer_engine", ("init_info",)),
             ("start_weight_update", ()),

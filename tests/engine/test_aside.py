@@ -14,7 +14,7 @@ import torch
 
 import hotweights
 from hotweights.adapters import VLLMInProcessAdapter, VLLMMultiprocessAdapter
-from hotweights.adapters.installer import ASIDE_BUCKET_BYTES
+from hotweights.adapters.sending import ASIDE_BUCKET_BYTES
 from hotweights.core import two_phase
 from hotweights.core.buckets import default_bucket_bytes
 

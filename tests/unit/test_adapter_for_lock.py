@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 import hotweights
-from hotweights.adapters import inprocess
+from hotweights.adapters import presets
 
 
 def test_a_slow_adapter_build_does_not_block_another_engine(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -36,7 +36,7 @@ def test_a_slow_adapter_build_does_not_block_another_engine(monkeypatch: pytest.
         built.append(handle.name)
         return object()
 
-    monkeypatch.setattr(inprocess, "VLLMInProcessAdapter", build)
+    monkeypatch.setattr(presets, "VLLMInProcessAdapter", build)
     slow, fast = Handle("slow"), Handle("fast")
     t = threading.Thread(target=hotweights.adapter_for, args=(slow,))
     t.start()

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from hotweights.adapters import installer
-from hotweights.adapters.installer import ASIDE_BUCKET_BYTES, GATHERED_BUCKET_BYTES, bucket_default
+from hotweights.adapters import sending
 from hotweights.adapters.options import InstallerOptions, PathAbilities
+from hotweights.adapters.sending import ASIDE_BUCKET_BYTES, GATHERED_BUCKET_BYTES, bucket_default
 from hotweights.core.errors import EngineNotSupportedError
 
 PATH = PathAbilities("multiprocess-shm", reads_back=True, deltas=True, releases_segments=True)
@@ -47,7 +47,7 @@ def test_default_buckets_stay_small_where_they_hold_something(monkeypatch: pytes
     """A default bucket is the transport's preferred size, except an aside bucket (built inside one ``stage``
     call, holding the engine's step loop) and a bucket the leader of a sharded state dict gathers (held on its
     device): at most 32 MiB each."""
-    monkeypatch.setattr(installer, "default_bucket_bytes", lambda preferred: preferred)  # no free-memory cap here
+    monkeypatch.setattr(sending, "default_bucket_bytes", lambda preferred: preferred)  # no free-memory cap here
     assert bucket_default(128 << 20, "auto") == bucket_default(128 << 20, "direct") == 128 << 20
     assert bucket_default(128 << 20, "aside") == ASIDE_BUCKET_BYTES == 32 << 20
     assert bucket_default(128 << 20, "auto", gathered=True) == GATHERED_BUCKET_BYTES == 32 << 20

@@ -19,8 +19,8 @@ from tqdm import tqdm
 import hotweights.telemetry as telemetry
 from hotweights import InstallError, InstallReport, WeightUpdateManifest
 from hotweights.adapters import WeightInstallAdapter
-from hotweights.adapters.installer import Installer
 from hotweights.adapters.options import InstallerOptions
+from hotweights.adapters.sending import in_flight, send_buckets
 from hotweights.core.buckets import Bucket, plan_buckets
 from hotweights.core.report import PhaseTimer
 from hotweights.transports import Descriptor, Stage, WeightTransport
@@ -60,8 +60,8 @@ class BucketAdapter(WeightInstallAdapter):
     kept in a list."""
 
     name = "buckets"
-    _send = Installer._send
-    _in_flight = Installer._in_flight
+    _send = send_buckets
+    _in_flight = in_flight
     options = InstallerOptions()
 
     def __init__(self, transport: WeightTransport, bucket_bytes: int) -> None:

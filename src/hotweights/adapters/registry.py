@@ -85,7 +85,7 @@ def _engine_lock(handle: EngineHandle) -> threading.Lock:
     return lock
 
 
-register_route("inprocess", "hotweights.adapters.inprocess:for_engine")
-register_route("extension", "hotweights.adapters.multiprocess:for_engine")
-register_route("weight_transfer", "hotweights.adapters.native:for_engine")
-register_route("weights_path", "hotweights.adapters.weights_path:for_engine")
+register_route("inprocess", "hotweights.adapters.presets:inprocess")
+register_route("extension", "hotweights.adapters.presets:extension")
+register_route("weight_transfer", "hotweights.adapters.presets:weight_transfer")
+register_route("weights_path", "hotweights.adapters.presets:weights_path")

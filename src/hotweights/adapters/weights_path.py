@@ -1,4 +1,5 @@
-"""Install into any multiprocess engine through vLLM's own worker method: no extension, no backend, no flags.
+"""An installer's path into any multiprocess engine through vLLM's own worker method: no extension, no backend, no
+flags (:class:`WeightsPath`).
 
 The one path without the install session: vLLM's ``reload_weights(weights_path=...)`` is its only step, so the
 trainer alone validates, and the engine checks no digests."""
@@ -15,56 +16,37 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from hotweights.adapters._vllm import EngineOptions, VLLMEngineAdapter
-from hotweights.adapters.contract import InstallCall, Items
+from hotweights.adapters.call import InstallCall, Items
+from hotweights.adapters.traits import BarePath
 from hotweights.core import two_phase
 from hotweights.core.cast import CastItems, uncast
 from hotweights.core.errors import EngineNotSupportedError
 from hotweights.core.finite import check_finite
 from hotweights.core.manifest import _ST_DTYPES, WeightUpdateManifest, dtype_from_str
-from hotweights.handles import EngineHandle
 from hotweights.transports.shm_files import SHM_DIR, sweep_stale
 from hotweights.vllm import compat, fixes, introspect
 
 if TYPE_CHECKING:
-    from typing_extensions import Unpack
+    from hotweights.adapters.installer import Installer
 
-__all__ = ["VLLMWeightsPathAdapter"]
+__all__ = ["WeightsPath"]
 
 #: File the update is written to, inside a private directory per install.
 CHECKPOINT_FILE = "model.safetensors"
 
 
-class VLLMWeightsPathAdapter(VLLMEngineAdapter):
-    """Installs through ``collective_rpc("reload_weights", weights_path=...)``, which every vLLM worker has.
+class WeightsPath(BarePath):
+    """The path of an installer without the install session: ``collective_rpc("reload_weights", weights_path=...)``,
+    which every vLLM worker has.
 
     The validated update is written as one safetensors file into a private directory in ``/dev/shm`` (mode 0700,
     named ``hotweights-<pid>-…``); every worker then reloads it in one layerwise reload, so fused parameters are
     rebuilt from complete parts. The directory is removed on every outcome. Nothing touches the model until the
-    reload starts; generation waits only for the reload itself.
-
-    This is the zero-configuration path: a plain ``LLM(model=...)`` or ``AsyncLLM`` needs no extension. The worker
-    extension buys more (bucketed, pre-checked staging with an all-or-nothing commit, streaming with bounded memory,
-    the direct setter, kept segments: see :class:`VLLMMultiprocessAdapter`). Here the host holds the update once in
-    ``/dev/shm`` for the length of the install, and a reload that fails midway leaves a partial update (the engine
-    then fails closed). Afterwards the workers' model config names the removed directory: a later
-    ``reload_weights()`` without arguments would not find it (hotweights always passes its own).
-
-    Args:
-        engine: a multiprocess ``vllm.LLM``, an ``AsyncLLM``, or an engine handle whose workers can read this host's
-            ``/dev/shm``.
-        rpc_timeout: seconds the reload may take before :class:`HotWeightsTimeoutError`.
-        expected, prefix_cache, lock_timeout, guard_generation: see :class:`VLLMMultiprocessAdapter`.
-
-    Example:
-        >>> llm = LLM(model=path)                                   # doctest: +SKIP
-        >>> VLLMWeightsPathAdapter(llm).install(manifest, tensors)  # doctest: +SKIP
+    reload starts; generation waits only for the reload itself. ``rpc_timeout``: seconds the reload may take.
     """
 
-    name = "weights-path"
-
-    def __init__(self, engine: Any, *, rpc_timeout: float | None = 300.0, **options: Unpack[EngineOptions]) -> None:
-        super().__init__(engine, **options)
+    def __init__(self, installer: Installer, rpc_timeout: float | None) -> None:
+        self.installer = installer
         self.rpc_timeout = rpc_timeout
         sweep_stale(min_age=60.0)  # checkpoint directories of trainers that died mid-install
 
@@ -72,7 +54,8 @@ class VLLMWeightsPathAdapter(VLLMEngineAdapter):
     def stages_apart(self) -> bool:
         return True  # the checkpoint is written aside; the engine reloads it after the commit point
 
-    def _install(self, manifest: WeightUpdateManifest, items: Items, timer: InstallCall) -> dict[str, int]:
+    def install(self, manifest: WeightUpdateManifest, items: Items, timer: InstallCall) -> dict[str, int]:
+        installer = self.installer
         self._refuse_unmended()
         directory = Path(tempfile.mkdtemp(prefix=f"hotweights-{os.getpid()}-ckpt-", dir=SHM_DIR))
         try:
@@ -83,9 +66,9 @@ class VLLMWeightsPathAdapter(VLLMEngineAdapter):
             two_phase.commit_point(
                 timer.member
             )  # inside a fleet: every replica's checkpoint written before any reloads
-            self._begin_writing(timer)
+            installer._begin_writing(timer)
             with timer("install"):
-                self.engine.call(
+                installer.engine.call(
                     "reload_weights",
                     timeout=self.rpc_timeout,
                     kwargs={"weights_path": str(directory), "is_checkpoint_format": True},
@@ -97,9 +80,10 @@ class VLLMWeightsPathAdapter(VLLMEngineAdapter):
     def _refuse_unmended(self) -> None:
         """vLLM's own reload needs mending for some models (:data:`~hotweights.vllm.fixes.VLLM_FIXES`); the
         mend runs in the engine's processes only through hotweights' vLLM plugin: refuse where it cannot."""
-        if self.engine.kind not in ("llm", "async_llm") or fixes.vllm_fixes_reach_workers():
+        engine = self.installer.engine
+        if engine.kind not in ("llm", "async_llm") or fixes.vllm_fixes_reach_workers():
             return
-        needed = fixes.vllm_fixes_for(self.engine.model_config())  # only those this vLLM needs
+        needed = fixes.vllm_fixes_for(engine.model_config())  # only those this vLLM needs
         if needed:
             why = "; ".join(fixes.VLLM_FIXES[n].why for n in needed)
             raise EngineNotSupportedError(
@@ -141,9 +125,3 @@ def _described(items: Items) -> list[tuple[str, torch.Tensor]]:
 
 
 _ST_NAMES = {dtype_from_str(torch_name): st for st, torch_name in _ST_DTYPES.items()}
-
-
-def for_engine(handle: EngineHandle) -> VLLMWeightsPathAdapter:
-    """The adapter :func:`hotweights.install` builds on the route ``weights_path``:
-    vLLM's own reload of a checkpoint written on this host."""
-    return VLLMWeightsPathAdapter(handle)

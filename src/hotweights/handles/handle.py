@@ -102,21 +102,34 @@ class EngineHandle(ABC):
         self.pause_mode = mode
 
     @contextmanager
-    def installing(self, pause: PauseMode, timeout: float | None) -> Iterator[None]:
+    def installing(self, pause: PauseMode | None, timeout: float | None) -> Iterator[None]:
         """One install at a time into this engine, whatever adapter runs it, under its own ``pause`` mode: the mode
-        is per install, never left for a concurrent one to read (waits at most ``timeout`` s for another install)."""
-        self.check_pause_mode(pause)
+        is per install, never left for a concurrent one to read (waits at most ``timeout`` s for another install).
+
+        This lock is the one lock of an install: an adapter's ``install`` enters it too (with ``pause=None``: the
+        mode stays as :meth:`set_pause_mode` left it), and where this thread's install already holds it
+        (``hotweights.install`` and a fleet take it around the adapter's install) entering again changes nothing.
+        """
+        if self.__dict__.get("_installing_thread") == threading.get_ident():
+            yield  # inside this thread's install already
+            return
+        if pause is not None:
+            self.check_pause_mode(pause)
         lock: threading.Lock = self.shared("_install_lock", threading.Lock)
         if not lock.acquire(timeout=-1 if timeout is None else timeout):
             raise HotWeightsTimeoutError(
                 f"waited {timeout} s for another install into this engine to finish; nothing was written. Retry "
                 "later or raise the adapter's lock_timeout"
             )
+        self._installing_thread: int | None = threading.get_ident()
         try:
-            self.pause_mode = pause
+            if pause is not None:
+                self.pause_mode = pause
             yield
         finally:
-            self.pause_mode = "wait"
+            if pause is not None:
+                self.pause_mode = "wait"
+            self._installing_thread = None
             lock.release()
 
     @property

@@ -47,7 +47,7 @@ class LLMHandle(EngineHandle):
             )
 
     @contextmanager
-    def installing(self, pause: PauseMode, timeout: float | None) -> Iterator[None]:
+    def installing(self, pause: PauseMode | None, timeout: float | None) -> Iterator[None]:
         self.check_alive()  # before the install lock: a shut-down engine is refused at once
         with super().installing(pause, timeout):
             yield
