@@ -4,7 +4,8 @@
 (:mod:`hotweights.core.families`) passes. Any other family, on the first install into each engine, gets a probe
 reference computed from the tensors about to be sent (:mod:`hotweights.core.probe`); the adapter scores the engine
 on it after the write, before generation is let back in, and fails closed on a difference. An engine kind that cannot
-be scored from here is refused before writing, unless the caller said ``unproven="trust"``.
+be scored from here (a server without hotweights' guard) is refused before writing, unless the caller said
+``unproven="trust"``.
 """
 
 from __future__ import annotations
@@ -116,8 +117,13 @@ def check_family(
     if mode == "refuse":
         why = "unproven='refuse'"
     elif config is None or not handle.probes:
-        why = f"{handle.describe()} cannot be probed from here (a vllm.LLM in this process can)"
-    elif handle.scheduler_paused() and not handle.is_sleeping():  # weights asleep: the adapter refuses that first
+        why = (
+            f"{handle.describe()} cannot be probed from here: its model config cannot be read (a server probes "
+            "through hotweights' guard: start it with `python -m hotweights.serve` or add `--middleware "
+            "hotweights.serve_guard.HotWeightsGuard`)"
+        )
+    elif handle.scheduler_paused() and not handle.is_sleeping() and handle.gate.refusal is None:
+        # weights asleep: the adapter refuses that first; paused by a failed install (failing closed): this one lifts it
         # the probe generates: on a paused scheduler (vLLM keeps it paused after a partial wake_up, e.g.
         # wake_up(tags=["weights"]) with the KV cache still asleep) its generate never returns (seen: a hang)
         why = (
@@ -163,6 +169,6 @@ def check_family(
         return FamilyCheck(str(arch), f"unproven: {name} on {where}, probed", probe, passed)
     raise UnprovenFamilyError(
         f"{name} is not proven exact on {where} (hotweights' conformance matrix has not run it there) and {why}; "
-        "nothing was written. Install through a vllm.LLM in this process once (the first install is probed), pass "
-        "unproven='trust' to install unchecked, or add the family to the matrix (docs/architectures.md)."
+        "nothing was written. Pass unproven='trust' to install unchecked, or add the family to the conformance "
+        "matrix (docs/architectures.md)."
     )

@@ -93,6 +93,10 @@ PAUSE, RESUME = "/pause", "/resume"
 RESET = "/reset_prefix_cache"
 #: The guard's own route: GET reads the server's KV epoch, POST starts a new one (a ``keep`` install, once paused).
 KV_EPOCH = "/hotweights/kv_epoch"
+#: The guard's own route for the family probe: GET reads the engine's config, POST scores the probe during an install.
+PROBE = "/hotweights/probe"
+#: Largest probe body read.
+MAX_PROBE_BODY = 4096
 #: Seconds a resume after a ``recompute`` reset waits at most for the requests it preempted.
 RECOMPUTE_TIMEOUT = 50.0
 #: The routes that start generation: held (POST) while the engine is paused with ``mode=wait`` or ``abort``.
@@ -295,6 +299,9 @@ class HotWeightsGuard:
         if kind == "http" and path == KV_EPOCH:
             await self._kv_epoch(scope, receive, send)
             return
+        if kind == "http" and path == PROBE:
+            await self._probe(scope, receive, send)
+            return
         if post and path == RESET and _query(scope).get("reset_running_requests", "").lower() == "true":
             await self._recompute_reset(scope, receive, send)
             return
@@ -329,6 +336,39 @@ class HotWeightsGuard:
         if scope.get("method") == "POST":
             self.epoch.bump()
         await _answer(send, 200, {"epoch": self.epoch.epoch})
+
+    async def _probe(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """``GET``: the engine's family, transformers config and dtype (what the trainer builds the family probe's
+        reference from); ``POST {"token_ids": [...]}`` (at most :data:`~hotweights.vllm.scoring.MAX_PROBE_TOKENS`
+        ids of the vocabulary): the engine's scores of them, run inside an install with generation routes held (see
+        :func:`~hotweights.vllm.scoring.score_during_install`). 501 where the guard cannot reach the engine."""
+        from hotweights.vllm import scoring
+
+        assert self.config is not None
+        engine = self._engine
+        if engine is None:
+            await _refuse(scope, receive, send, 501, "hotweights guard: the server's engine cannot be reached here")
+            return
+        if scope.get("method") != "POST":
+            await _answer(send, 200, _engine_facts(engine))
+            return
+        try:
+            body = await _body(receive, MAX_PROBE_BODY)
+            ids = _probe_ids(body, int(engine.model_config.get_vocab_size()))
+            label = _probe_label(body)
+        except Refusal as refusal:
+            await _refuse(scope, receive, send, refusal.status, str(refusal))
+            return
+        holds = self._paused is None  # under keep nothing is held: hold generation routes while the probe runs
+        if holds:
+            self._paused = asyncio.Event()
+        try:
+            scored = scoring.score_during_install(engine, ids, label)
+            scores = await asyncio.wait_for(scored, self.config.max_rpc_timeout)
+        finally:
+            if holds:
+                self._release()
+        await _answer(send, 200, {"logprobs": scores})
 
     def _in_flight(self) -> dict[str, tuple[int, str | None]]:
         from hotweights.vllm.introspect import requests_in_flight
@@ -473,6 +513,62 @@ class Refusal(Exception):
     def __init__(self, status: int, message: str) -> None:
         super().__init__(message)
         self.status = status
+
+
+async def _body(receive: Receive, limit: int) -> bytes:
+    """A request's body, at most ``limit`` bytes (else 413)."""
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            break
+        chunk = bytes(message.get("body", b""))
+        size += len(chunk)
+        if size > limit:
+            raise Refusal(413, f"hotweights guard: a body over {limit} bytes")
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            break
+    return b"".join(chunks)
+
+
+def _probe_ids(body: bytes, vocab: int) -> list[int]:
+    """The token ids of a probe body, checked: 2 to ``MAX_PROBE_TOKENS`` ids, each in ``[0, vocab)`` (else 400)."""
+    from hotweights.vllm.scoring import MAX_PROBE_TOKENS
+
+    try:
+        ids = json.loads(body or b"{}").get("token_ids")
+    except (ValueError, AttributeError):
+        ids = None
+    if (
+        not isinstance(ids, list)
+        or not 2 <= len(ids) <= MAX_PROBE_TOKENS
+        or not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < vocab for i in ids)
+    ):
+        raise Refusal(400, f"hotweights guard: a probe is {{'token_ids': [2 to {MAX_PROBE_TOKENS} ids < {vocab}]}}")
+    return ids
+
+
+def _probe_label(body: bytes) -> str | None:
+    """The version label of a probe body (what requests in flight carry while it runs), at most 64 characters."""
+    label = json.loads(body or b"{}").get("label")
+    if label is not None and (not isinstance(label, str) or len(label) > 64):
+        raise Refusal(400, "hotweights guard: a probe's label is a string of at most 64 characters")
+    return label
+
+
+def _engine_facts(engine: Any) -> dict[str, Any]:
+    """What the trainer needs to build the family probe's reference for ``engine`` (an ``AsyncLLM``)."""
+    from hotweights.vllm import compat
+
+    config = engine.model_config.hf_config
+    names = getattr(config, "architectures", None) or [None]
+    return {
+        "family": [names[0], compat.vllm_version(), compat.device_kind()],
+        "config": config.to_json_string(use_diff=False),
+        "dtype": str(engine.model_config.dtype).removeprefix("torch."),
+    }
 
 
 def check_body(path: str, body: bytes, caller: str | None, config: GuardConfig) -> bytes | None:

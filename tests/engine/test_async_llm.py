@@ -55,19 +55,18 @@ async def greedy(engine: Any, prompts: Sequence[Sequence[int]] = PROMPTS, max_to
     return [list(o.outputs[0].token_ids) for o in outs]
 
 
-def guard_options(architecture: str) -> dict[str, Any]:
-    """Install options for ``architecture`` on this vLLM: an AsyncLLM cannot be probed, so the guard refuses a family
-    the conformance matrix has not proven on this vLLM line and device (vLLM 0.31, the suite's second CPU build; any
-    GPU) unless trusted. The tests below check every install against reference tokens themselves."""
-    proven = is_proven(architecture, vllm=compat.vllm_version(), device=compat.device_kind())
-    return {} if proven else {"unproven": "trust"}
+def proven(architecture: str) -> bool:
+    """Whether the conformance matrix proved ``architecture`` on this vLLM line and device (not on vLLM 0.31, the
+    suite's second CPU build, nor on any GPU): else the first install into each engine is probed."""
+    return is_proven(architecture, vllm=compat.vllm_version(), device=compat.device_kind())
 
 
 class Async:
     def __init__(self, loop: EventLoopThread, engine: Any, a: TinyCheckpoint, b: TinyCheckpoint) -> None:
         self.loop, self.engine, self.a, self.b = loop, engine, a, b
         self.version = 0
-        self.options = guard_options(type(a.model).__name__)
+        self.options: dict[str, Any] = {}
+        self.proven = proven(type(a.model).__name__)
 
     def greedy(self, prompts: Sequence[Sequence[int]] = PROMPTS, max_tokens: int = 8) -> list[list[int]]:
         return self.loop.run(greedy(self.engine, prompts, max_tokens))
@@ -100,15 +99,17 @@ def plain(loop: EventLoopThread, checkpoint: Callable[[Variant, int], TinyCheckp
 
 def test_a_to_b_to_a_without_the_extension(plain: Async) -> None:
     assert plain.greedy() == plain.a.hf
-    if plain.options:  # unproven on this vLLM: refused before writing, unless trusted
+    if not plain.proven:  # unproven on this vLLM: refused before writing when the caller says so
         before = plain.engine_version()
-        with pytest.raises(UnprovenFamilyError, match="cannot be probed from here"):
-            plain.loop.run(hotweights.install_async(plain.engine, plain.b.state_dict(), weight_version=1))
+        with pytest.raises(UnprovenFamilyError, match="unproven='refuse'"):
+            sd = plain.b.state_dict()
+            plain.loop.run(hotweights.install_async(plain.engine, sd, weight_version=1, unproven="refuse"))
         assert plain.engine_version() == before and plain.greedy() == plain.a.hf
     report = plain.install(plain.b)
     assert report.adapter == "weights-path"
     assert report.stall_s is not None and report.phases["install"] <= report.stall_s  # paused for the reload at least
-    assert (report.family_check or "").startswith("unproven" if plain.options else "proven"), report.family_check
+    assert (report.family_check or "").startswith("proven" if plain.proven else "unproven"), report.family_check
+    assert plain.proven or "probed at v1" in (report.family_check or ""), report.family_check
     assert plain.engine_version() == str(report.weight_version)
     assert plain.greedy() == plain.b.hf
     plain.install(plain.a)

@@ -26,7 +26,6 @@ from hotweights.handles.async_llm import PauseGate
 from hotweights.testing import BLOCK_SIZE, EventLoopThread, greedy_hf, start_async_engine
 
 from .conftest import Checkpoints, TinyCheckpoint, Variant, our_shm
-from .test_async_llm import guard_options
 
 pytestmark = pytest.mark.engine
 
@@ -107,7 +106,7 @@ class Engine:
             tasks = [asyncio.create_task(self.final(p, max_tokens, seen(i))) for i, p in enumerate(prompts)]
             await asyncio.wait_for(asyncio.gather(*(e.wait() for e in decoding)), 120)
             self.version += 1
-            options = {**guard_options(type(ckpt.model).__name__), "pause": pause}
+            options: dict[str, Any] = {"pause": pause}
             report = await hotweights.install_async(
                 self.engine, ckpt.state_dict(), weight_version=self.version, **options
             )

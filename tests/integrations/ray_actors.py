@@ -38,6 +38,14 @@ class EngineHost(EngineActor):
     def pid(self) -> int:
         return os.getpid()
 
+    def plant(self, fault: str) -> None:
+        """From now on this engine's writes apply ``fault`` (see ``tests/engine/faulty.py``; "" for none)."""
+        from hotweights.vllm import introspect
+        from tests.engine.faulty import install_faults, set_fault
+
+        set_fault(fault)
+        install_faults(introspect.inprocess_model(self.llm))
+
 
 class Trainer:
     """The trainer's actor: holds both policies and installs them into the engine actors it is handed."""
@@ -48,7 +56,8 @@ class Trainer:
         from hotweights.integrations.ray import engine
 
         self.policies = {k: load_file(str(Path(p) / "model.safetensors")) for k, p in paths.items()}
-        self.fleet = hotweights.Fleet([engine(a) for a in engines], staging_expiry=staging_expiry)
+        self.engines = [engine(a) for a in engines]
+        self.fleet = hotweights.Fleet(self.engines, staging_expiry=staging_expiry)
 
     def install(self, which: str, version: int) -> dict[str, Any]:
         report = self.fleet.install(self.policies[which], weight_version=version)
@@ -60,6 +69,20 @@ class Trainer:
             "versions": [r.engine_weight_version for r in report.replicas if r is not None],
             "text": str(report),
         }
+
+    def install_into(self, index: int, which: str, version: int, unproven: bool) -> dict[str, Any]:
+        """One install into engine actor ``index`` (``unproven``: as on a vLLM where no family is proven): its report,
+        or the error it raised."""
+        from hotweights.core import families
+
+        proven, families.PROVEN = families.PROVEN, ({} if unproven else families.PROVEN)
+        try:
+            report = hotweights.install(self.engines[index], self.policies[which], weight_version=version)
+        except hotweights.HotWeightsError as exc:
+            return {"error": type(exc).__name__, "message": str(exc)}
+        finally:
+            families.PROVEN = proven
+        return {"family_check": report.family_check, "phases": report.phases}
 
     def stage_and_die(self, which: str, version: int) -> None:
         """Stage on every replica, then die by SIGKILL before committing (a trainer lost between the phases)."""

@@ -7,6 +7,7 @@ expires."""
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -32,7 +33,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]
     }
     hf = {"A": greedy_hf(a), "B": greedy_hf(b)}
     assert hf["A"] != hf["B"]
-    env = {"PYTHONPATH": str(ROOT), "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1"}
+    path = os.pathsep.join((str(ROOT / "src"), str(ROOT)))  # this checkout's hotweights and tests
+    env = {"PYTHONPATH": path, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1"}
     ray.init(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": env}, log_to_driver=False)
     from tests.integrations.ray_actors import EngineHost
 
@@ -98,3 +100,32 @@ def test_a_trainer_killed_between_stage_and_commit_leaves_every_replica_on_its_v
     report = ray.get(t2.install.remote(target, int(versions[0]) + 2), timeout=300)
     assert report["ok"] and outputs(cluster) == [hf[target]] * 2
     ray.kill(t2)
+
+
+def test_an_unproven_family_is_probed_in_an_engine_actor_and_a_planted_fault_fails_closed(
+    cluster: dict[str, Any],
+) -> None:
+    """No family proven (as on vLLM 0.31, 0.33, 0.34 and GPUs): the first install into an actor's engine is probed
+    by default, scored by the actor inside the install's hold; a write that scales a norm by 1.01 fails closed."""
+    hf, engines = cluster["hf"], cluster["engines"]
+    version = max(int(v) for v in ray.get([e.version.remote() for e in engines])) + 1
+    before = outputs(cluster)
+    target = "B" if before[0] == hf["A"] else "A"
+    t = trainer(cluster)
+    try:
+        ray.get(engines[1].plant.remote("scale layers.0.post_attention_layernorm 1.01"))
+        probed = ray.get(t.install_into.remote(0, target, version, True), timeout=300)
+        assert "probed at v" in (probed.get("family_check") or ""), probed
+        assert "family_probe" in probed["phases"]
+        failed = ray.get(t.install_into.remote(1, target, version, True), timeout=300)
+        assert failed.get("error") == "FamilyProbeError", failed
+        assert ray.get(engines[0].greedy.remote(), timeout=120) == hf[target]
+        with pytest.raises(ray.exceptions.RayTaskError, match="PartialUpdateError"):
+            ray.get(engines[1].greedy.remote(), timeout=120)  # fails closed
+        ray.get(engines[1].plant.remote(""))
+        healed = ray.get(t.install_into.remote(1, target, version, True), timeout=300)
+        assert "probed at v" in (healed.get("family_check") or ""), healed
+        assert outputs(cluster) == [hf[target]] * 2
+    finally:
+        ray.get(engines[1].plant.remote(""))
+        ray.kill(t)

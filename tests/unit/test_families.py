@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from hotweights.core.families import PROVEN, is_proven, release_line
+from hotweights.core.gate import ServingGate
 from hotweights.core.probe import ProbeReference, probe_tokens, reference
 from hotweights.testing import ARCHS, build_tiny_model, tiny_config
 
@@ -127,6 +128,7 @@ def test_an_unproven_family_on_a_paused_scheduler_is_refused_not_probed() -> Non
     class Handle:
         probes = True
         guards_family = True
+        gate = ServingGate()  # no install failed here
 
         def __init__(self, paused: bool, asleep: bool) -> None:
             self.paused, self.asleep = paused, asleep

@@ -63,7 +63,7 @@ class _Scored(WeightInstallAdapter):
     def _install(self, manifest: WeightUpdateManifest, items: Sequence[tuple[str, torch.Tensor]], timer: Any) -> None:
         self._begin_writing(timer)  # the gate is held from here: a failed probe closes it
 
-    def _probe_logprobs(self, token_ids: tuple[int, ...]) -> list[float | None] | None:
+    def _probe_logprobs(self, token_ids: tuple[int, ...], label: str) -> list[float | None] | None:
         return list(self.answer(token_ids))
 
 

@@ -235,10 +235,10 @@ class WeightInstallAdapter(PathTraits, ABC):
         by this adapter's last install."""
         return self.engine.get_weight_version() if self.engine is not None else None
 
-    def _probe_logprobs(self, token_ids: tuple[int, ...]) -> list[float | None] | None:
-        """The engine's prompt log-probabilities of ``token_ids`` (see :meth:`EngineHandle.prompt_logprobs`);
-        None where this adapter cannot ask."""
-        return self.engine.prompt_logprobs(token_ids) if self.engine is not None else None
+    def _probe_logprobs(self, token_ids: tuple[int, ...], label: str) -> list[float | None] | None:
+        """The engine's prompt log-probabilities of ``token_ids`` (see :meth:`EngineHandle.prompt_logprobs`; ``label``:
+        the version being installed); None where this adapter cannot ask."""
+        return self.engine.prompt_logprobs(token_ids, label) if self.engine is not None else None
 
     # ------------------------------------------------------------------ the caller's controls
     def forget_delta_base(self) -> None:

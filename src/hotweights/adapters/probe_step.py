@@ -38,7 +38,7 @@ def check_family(
     start = time.perf_counter()
     with timer("family_probe"):
         adapter._reset_prefix_cache()  # the probe must not reuse blocks computed with the old weights
-        got = adapter._probe_logprobs(ref.token_ids)
+        got = adapter._probe_logprobs(ref.token_ids, str(manifest.weight_version))
     ok, worst = ref.judge(got) if got is not None else (False, float("inf"))
     logger.info(
         "hotweights: family probe of %s at v%s: the engine scored it in %.2f s, max |dlogprob| %g (tolerance %g): %s",

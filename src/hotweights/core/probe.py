@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["PROBE_LENGTH", "ProbeReference", "probe_tokens", "reference"]
+__all__ = ["PROBE_LENGTH", "ProbeReference", "config_from_json", "probe_tokens", "reference"]
 
 #: Tokens in the probe prompt (the engine scores all but the first).
 PROBE_LENGTH = 24
@@ -95,6 +95,16 @@ def reference(config: Any, tensors: Any, engine_dtype: torch.dtype) -> ProbeRefe
         max_tol = max(max_tol, NOISE_FACTOR * max(noise))
         median_tol = max(median_tol, NOISE_FACTOR * statistics.median(noise))
     return ProbeReference(ids, tuple(scores), round(max_tol, 6), round(median_tol, 6))
+
+
+def config_from_json(text: str) -> Any:
+    """A transformers config from its JSON (``config.to_json_string()``: what an engine in another process sends)."""
+    import json
+
+    import transformers
+
+    data = json.loads(text)
+    return transformers.AutoConfig.for_model(str(data.pop("model_type")), **data)
 
 
 def _cast(state: dict[str, Any], dtype: torch.dtype) -> dict[str, Any]:

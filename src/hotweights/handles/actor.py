@@ -9,7 +9,7 @@ strings, JSON and ``ObjectRef`` s: Ray's serializer moves them, and nothing of h
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, ClassVar
 
@@ -21,6 +21,8 @@ __all__ = ["RayEngineHandle"]
 
 #: Seconds for the actor's small calls (status, prefix cache, version, the gate).
 SHORT_TIMEOUT = 60.0
+#: Seconds for the family probe (one short request, run by the actor inside the install's hold of the gate).
+PROBE_TIMEOUT = 120.0
 
 
 class RayEngineHandle(EngineHandle):
@@ -33,6 +35,7 @@ class RayEngineHandle(EngineHandle):
 
     kind: ClassVar[str] = "ray"
     pause_modes: ClassVar[tuple[PauseMode, ...]] = ("wait",)
+    probes: ClassVar[bool] = True
 
     def __init__(self, actor: Any, *, timeout: float = SHORT_TIMEOUT) -> None:
         self.actor = actor
@@ -121,6 +124,31 @@ class RayEngineHandle(EngineHandle):
     def clear_kv_cache(self) -> int | None:
         answer = self._run("clear_kv_cache", timeout=self.timeout)
         return None if answer is None else int(answer)
+
+    def family(self) -> tuple[str | None, str, str]:
+        found = self.info.get("family")
+        if isinstance(found, list) and len(found) == 3:
+            return (None if found[0] is None else str(found[0])), str(found[1]), str(found[2])
+        return super().family()
+
+    def model_config(self) -> Any:
+        """The actor engine's transformers config (sent as JSON by the actor), for the family probe's reference."""
+        text = self.info.get("config")
+        if not text:
+            return None
+        from hotweights.core.probe import config_from_json
+
+        return config_from_json(str(text))
+
+    def engine_dtype(self) -> Any:
+        import torch
+
+        dtype = getattr(torch, str(self.info.get("dtype") or "float32"), None)
+        return dtype if isinstance(dtype, torch.dtype) else torch.float32
+
+    def prompt_logprobs(self, token_ids: Sequence[int], label: str | None = None) -> list[float | None] | None:
+        answer = self._run("prompt_logprobs", [int(t) for t in token_ids], timeout=PROBE_TIMEOUT)
+        return None if answer is None else [None if a is None else float(a) for a in answer]
 
     def describe(self) -> str:
         node = str(self.info.get("node", "?"))[:8]

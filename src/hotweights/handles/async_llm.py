@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import time
-from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, ClassVar, TypeVar
 
@@ -22,8 +22,9 @@ from hotweights.core.manifest import ExpectedWeights
 from hotweights.handles.handle import EngineHandle, PauseMode
 from hotweights.handles.pause import KvEpoch, decoding, recomputed
 from hotweights.handles.sleep import SleepTracker
+from hotweights.telemetry import best_effort
 from hotweights.versions import record_kv
-from hotweights.vllm import introspect, liveness, patches, rpc
+from hotweights.vllm import introspect, liveness, patches, rpc, scoring
 from hotweights.vllm.expected import expected_weights
 
 __all__ = ["PAUSE_MODES", "AsyncLLMHandle", "PauseGate"]
@@ -37,6 +38,8 @@ REQUEST_METHODS = ("generate", "encode")
 SHORT_TIMEOUT = 60.0
 #: Seconds a ``recompute`` install waits for the requests it preempted to be prefilled again on the new weights.
 RECOMPUTE_TIMEOUT = 120.0
+#: Seconds the family probe's one short request may take.
+PROBE_TIMEOUT = 120.0
 
 
 class AsyncLLMHandle(EngineHandle):
@@ -44,6 +47,7 @@ class AsyncLLMHandle(EngineHandle):
 
     kind: ClassVar[str] = "async_llm"
     pause_modes: ClassVar[tuple[PauseMode, ...]] = PAUSE_MODES
+    probes: ClassVar[bool] = True
 
     def __init__(self, engine: Any) -> None:
         if introspect.engine_kind(engine) != "async_llm":
@@ -154,6 +158,18 @@ class AsyncLLMHandle(EngineHandle):
     def engine_dtype(self) -> Any:
         return introspect.engine_dtype(self.engine)
 
+    def prompt_logprobs(self, token_ids: Sequence[int], label: str | None = None) -> list[float | None] | None:
+        """Scored by the engine's own ``generate`` (not the wrapper that holds requests) while the install holds every
+        other new request (:meth:`PauseGate.probing`); the scheduler it paused runs for the probe's one request.
+        Under ``keep`` or ``recompute``, requests in flight decode on the new weights meanwhile, labelled ``label``
+        (a probe that fails aborts them)."""
+        label = label if self.pause_mode in ("keep", "recompute") else None
+        if label is not None:
+            self._gate.relabel = self.get_weight_version()
+        with self._gate.probing():
+            scored = scoring.score_during_install(self.engine, token_ids, label)
+            return self.run(scored, PROBE_TIMEOUT, "the family probe")
+
     def max_lora_rank(self) -> int | None:
         return introspect.max_lora_rank(self.engine)
 
@@ -194,6 +210,11 @@ class PauseGate:
         """The version label the running install recorded (their first token on the new weights carries it)."""
         self.recompute_s: float | None = None
         """Seconds the last ``recompute`` install waited after the resume for the requests it preempted."""
+        self.ours = False
+        """Whether the running install paused the scheduler (and resumes it)."""
+        self.relabel: str | None = None
+        """The version label before the family probe labelled requests in flight with the new one (put back if the
+        install fails)."""
         self.installs = 0
         """Installs that held requests so far (a rejected request resubmits when one ran since it was sent)."""
         self.held = 0
@@ -206,7 +227,7 @@ class PauseGate:
         frozen = mode in ("keep", "recompute")  # vLLM's "keep" pause: requests in flight are frozen, blocks and all
         # Paused by someone else already (not asleep: checked before): the install goes on under that pause and
         # leaves it (a trainer killed while it held a pause took this in-process engine with it).
-        ours = handle.scheduler_paused() is not True
+        ours = self.ours = handle.scheduler_paused() is not True
         hold = asyncio.Event() if ours and mode != "keep" else None
         self._hold = hold
         self.preempted, self.label, self.recompute_s = frozenset(), None, None
@@ -226,13 +247,23 @@ class PauseGate:
                         waited = recomputed(read, self.preempted, label, RECOMPUTE_TIMEOUT)
                         self.recompute_s = handle.run(waited, RECOMPUTE_TIMEOUT + 5.0, "the re-prefill")
             finally:
-                self.preempted = frozenset()
+                self.preempted, self.ours, self.relabel = frozenset(), False, None
+                hold = hold or self._hold  # under keep: the family probe's hold
                 if hold is not None:
                     self._hold = None
                     self.installs += 1
                     loop = handle.loop
                     if loop is not None and not loop.is_closed():
                         loop.call_soon_threadsafe(hold.set)
+
+    @contextmanager
+    def probing(self) -> Iterator[None]:
+        """Keep new requests held while the family probe's request runs inside the install (under ``keep`` too, from
+        now to the end of the install). Requests frozen by ``keep`` or ``recompute`` decode while it runs: a probe
+        that fails aborts them (:meth:`refuse`)."""
+        if self._hold is None and self.handle.pause_mode == "keep" and self.ours:
+            self._hold = asyncio.Event()  # set at the end of the install, as the other modes' hold
+        yield
 
     async def wait_open(self) -> bool:
         """Wait while an install holds new requests; True when it did."""
@@ -244,7 +275,19 @@ class PauseGate:
         return True
 
     def refuse(self, reason: str) -> None:
+        """Fail closed: new requests raise, and requests in flight (frozen by ``keep`` or ``recompute``, which would
+        go on over a mix of weights, or over weights the family probe failed) are aborted."""
         self.refusal = reason
+        handle = self.handle
+        if handle.loop is None or handle.loop.is_closed() or _in_loop_thread(handle.loop):
+            return
+        with best_effort("abort the requests in flight (fail closed)"):
+            running = handle.run(_in_flight(handle.engine), SHORT_TIMEOUT, "requests in flight")
+            if running:
+                handle.run(handle.engine.abort(list(running)), SHORT_TIMEOUT, "abort (fail closed)")
+        if self.relabel is not None:
+            with best_effort("put the version label back"):
+                handle.run(handle.engine.update_weight_version(self.relabel), SHORT_TIMEOUT, "update_weight_version")
 
     def reopen(self) -> None:
         self.refusal = None

@@ -352,9 +352,11 @@ class EngineHandle(ABC):
         names = list(getattr(expected, "architectures", None) or []) or [None]
         return names[0], "", ""
 
-    def prompt_logprobs(self, token_ids: Sequence[int]) -> list[float | None] | None:
+    def prompt_logprobs(self, token_ids: Sequence[int], label: str | None = None) -> list[float | None] | None:
         """The engine's log-probability of each of ``token_ids[1:]`` after the tokens before it, computed while the
-        calling thread holds the gate (an install's own check); None where this engine kind cannot be asked so."""
+        calling thread holds the gate (an install's own check); None where this engine kind cannot be asked so.
+        ``label``: the version being installed, which requests in flight that decode while the probe runs (an
+        ``AsyncLLM`` or a server under ``keep`` or ``recompute``) carry."""
         return None
 
     def describe(self) -> str:

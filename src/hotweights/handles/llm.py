@@ -11,7 +11,7 @@ from hotweights.core.gate import ServingGate
 from hotweights.core.manifest import ExpectedWeights
 from hotweights.handles.handle import EngineHandle, PauseMode
 from hotweights.handles.sleep import SleepTracker
-from hotweights.vllm import fixes, introspect, patches, rpc
+from hotweights.vllm import fixes, introspect, patches, rpc, scoring
 from hotweights.vllm.expected import expected_weights
 from hotweights.vllm.liveness import death
 from hotweights.vllm.worker.ops import clear_kv_cache
@@ -133,8 +133,8 @@ class LLMHandle(EngineHandle):
             return fixes.apply_vllm_fixes()
         return super().vllm_fixes()
 
-    def prompt_logprobs(self, token_ids: Sequence[int]) -> list[float | None] | None:
-        return introspect.prompt_logprobs(self.llm, token_ids)
+    def prompt_logprobs(self, token_ids: Sequence[int], label: str | None = None) -> list[float | None] | None:
+        return scoring.score(self.llm, token_ids)
 
     def describe(self) -> str:
         mode = "in-process" if self.inprocess else f"multiprocess, {self.num_workers} worker(s)"

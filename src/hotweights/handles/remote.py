@@ -20,7 +20,7 @@ import json
 import os
 import secrets
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
@@ -60,6 +60,10 @@ _LIMITS = httpx.Limits(max_connections=32, max_keepalive_connections=8, keepaliv
 TOKEN_ENV = "HOTWEIGHTS_TOKEN"
 #: The guard's own route for the server's KV epoch (:mod:`hotweights.handles.pause`): GET reads it, POST starts one.
 KV_EPOCH_ROUTE = "/hotweights/kv_epoch"
+#: The guard's route for the family probe (:mod:`hotweights.serve_guard`): GET the engine's config, POST a score.
+PROBE_ROUTE = "/hotweights/probe"
+#: Seconds the family probe (one short request) may take.
+PROBE_TIMEOUT = 120.0
 
 
 class ConnectOptions(TypedDict, total=False):
@@ -110,6 +114,7 @@ class RemoteHandle(EngineHandle):
     """A ``vllm serve`` process (an ``AsyncLLM`` behind vLLM's OpenAI server), driven through its HTTP routes."""
 
     kind: ClassVar[str] = "remote"
+    probes: ClassVar[bool] = True
     pause_modes: ClassVar[tuple[PauseMode, ...]] = PAUSE_MODES
 
     def __init__(
@@ -252,7 +257,9 @@ class RemoteHandle(EngineHandle):
         if self._config:
             ext = _dig(self._config, "parallel_config", "worker_extension_cls")
             backend = _dig(self._config, "weight_transfer_config", "backend")
-            return (str(ext) if ext else ""), (str(backend) if backend else "")
+            if not ext or ext == WORKER_EXTENSION or backend:
+                return (str(ext) if ext else ""), (str(backend) if backend else "")
+            # another class: hotweights' extension when the workers answer as it (a subclass of it)
         try:
             answers = self.call("hotweights_engine", "status", "{}", timeout=self.timeout)
         except InstallError:  # the workers have no such method: no extension (a backend cannot be probed safely)
@@ -377,10 +384,52 @@ class RemoteHandle(EngineHandle):
         epoch = answer.get("epoch") if isinstance(answer, dict) else None
         return epoch if isinstance(epoch, int) and not isinstance(epoch, bool) else None
 
+    def _engine_facts(self) -> dict[str, Any]:
+        """The engine's family, config and dtype from hotweights' guard (asked once); empty where the server runs
+        no guard (or one that predates the probe route)."""
+        facts = self.__dict__.get("_facts")
+        if facts is None:
+            try:
+                facts = self._request("GET", PROBE_ROUTE, timeout=SHORT_TIMEOUT) or {}
+            except HotWeightsError:
+                facts = {}
+            self.__dict__["_facts"] = facts = facts if isinstance(facts, dict) else {}
+        return facts
+
+    def model_config(self) -> Any:
+        """The server engine's transformers config, for the family probe's reference (sent by hotweights' guard);
+        None where the server runs no guard: then an unproven family cannot be probed from here."""
+        text = self._engine_facts().get("config")
+        if not text:
+            return None
+        from hotweights.core.probe import config_from_json
+
+        return config_from_json(str(text))
+
+    def engine_dtype(self) -> Any:
+        import torch
+
+        dtype = getattr(torch, str(self._engine_facts().get("dtype") or "float32"), None)
+        return dtype if isinstance(dtype, torch.dtype) else torch.float32
+
+    def prompt_logprobs(self, token_ids: Sequence[int], label: str | None = None) -> list[float | None] | None:
+        """Scored by the server's guard inside this install (it holds generation routes while the probe runs; under
+        ``keep`` or ``recompute`` the requests in flight decode with it, labelled ``label``)."""
+        body: dict[str, Any] = {"token_ids": [int(t) for t in token_ids]}
+        if label is not None and self.pause_mode in ("keep", "recompute"):
+            body["label"], self._gate.relabel = label, self.get_weight_version()
+        answer = self._request("POST", PROBE_ROUTE, json_body=body, timeout=PROBE_TIMEOUT, what="the family probe")
+        scores = answer.get("logprobs") if isinstance(answer, dict) else None
+        return None if scores is None else [None if s is None else float(s) for s in scores]
+
     def family(self) -> tuple[str | None, str, str]:
-        """From the workers where the server runs the worker extension; else the checkpoint's architecture, the
-        server's ``/version``, and, for a server on this host, this host's device kind when it runs the same vLLM
-        (a server elsewhere cannot tell its device: its families are unproven)."""
+        """As the server's guard reads it; else from the workers where the server runs the worker extension; else
+        the checkpoint's architecture, the server's ``/version``, and, for a server on this host, this host's
+        device kind when it runs the same vLLM (a server elsewhere cannot tell its device: its families are
+        unproven)."""
+        found = self._engine_facts().get("family")
+        if isinstance(found, list) and len(found) == 3:
+            return (None if found[0] is None else str(found[0])), str(found[1]), str(found[2])
         arch, vllm, device = super().family()
         if vllm:
             return arch, vllm, device
@@ -456,6 +505,9 @@ class RemoteGate:
         self.handle = handle
         self.refusal: str | None = None
         self._holding = False
+        self.relabel: str | None = None
+        """The server's version label before the family probe labelled requests in flight with the new one (put back
+        if the install fails)."""
         self.salted = False
         """Whether the running ``keep`` install started a new KV epoch on the server (its guard salts requests)."""
 
@@ -478,7 +530,7 @@ class RemoteGate:
             self.salted = mode == "keep" and handle.kv_epoch(start=True) is not None
             yield time.perf_counter() - start
         finally:
-            self._holding = False
+            self._holding, self.relabel = False, None
             if self.refusal is None:
                 handle.pause_owner("release")
                 if ours:
@@ -508,6 +560,11 @@ class RemoteGate:
 
     def refuse(self, reason: str) -> None:
         self.refusal = reason
+        relabel, self.relabel = self.relabel, None
+        if relabel is not None:
+            body = {"new_version": relabel}
+            with best_effort("put the version label back"):
+                self.handle._request("POST", "/update_weight_version", json_body=body, timeout=SHORT_TIMEOUT)
 
     def reopen(self) -> None:
         was, self.refusal = self.refusal, None

@@ -21,8 +21,12 @@ Example:
 from __future__ import annotations
 
 import json
+import queue
 import threading
+import time
 import weakref
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from contextlib import ExitStack
 from typing import Any
 
@@ -65,7 +69,8 @@ class EngineActor:
 
     def hotweights_handle(self, op: str, *args: Any) -> Any:
         """Run ``op`` (``describe``, ``call``, ``reset_prefix_cache``, ``set_weight_version``, ``get_weight_version``,
-        ``is_sleeping``, ``clear_kv_cache``, ``gate_enter``, ``gate_exit``, ``gate_refuse``, ``gate_reopen``) on
+        ``is_sleeping``, ``clear_kv_cache``, ``gate_enter``, ``gate_exit``, ``gate_refuse``, ``gate_reopen``,
+        ``prompt_logprobs``) on
         this actor's engine handle."""
         side = self.__dict__.get("_hotweights_side")
         if side is None:
@@ -84,6 +89,8 @@ class _ActorSide:
         self.handle.gate  # noqa: B018 - from now on the engine's generation goes through its gate
         self._release: threading.Event | None = None
         self._holder: threading.Thread | None = None
+        self._jobs: queue.SimpleQueue[Callable[[], object] | None] = queue.SimpleQueue()
+        """Work an install runs inside its hold of the gate (the family probe), run by the thread that holds it."""
         self._lock = threading.Lock()
 
     def describe(self) -> dict[str, Any]:
@@ -99,6 +106,7 @@ class _ActorSide:
             )
         expected = h.expected_weights()
         context = ray.get_runtime_context()
+        config = h.model_config()
         return {
             "hotweights": "hotweights",
             "num_workers": h.num_workers,
@@ -108,6 +116,9 @@ class _ActorSide:
             "node": context.get_node_id(),
             "actor": context.get_actor_id() or "",
             "engine": h.describe(),
+            "family": list(h.family()),
+            "config": config.to_json_string(use_diff=False) if config is not None else "",
+            "dtype": str(h.engine_dtype()).removeprefix("torch."),
         }
 
     def call(self, method: str, args: list[Any], kwargs: dict[str, Any] | None, timeout: float | None) -> list[Any]:
@@ -143,7 +154,7 @@ class _ActorSide:
                 with self.handle.gate.installing(timeout) as waited:
                     outcome["waited"] = waited
                     entered.set()
-                    if not release.wait(HOLD_LIMIT_S):
+                    if not self._serve_jobs(release, time.monotonic() + HOLD_LIMIT_S):
                         self.handle.gate.refuse(
                             f"generation refused: an install held this engine's gate for more than {HOLD_LIMIT_S:g} s "
                             "(its trainer is presumed gone while writing), so the engine may hold a mix of old and new "
@@ -169,14 +180,45 @@ class _ActorSide:
             raise HotWeightsTimeoutError(f"the engine's gate was not entered within {bound:g} s; nothing was written")
         return float(outcome["waited"])
 
+    def _serve_jobs(self, release: threading.Event, deadline: float) -> bool:
+        """Run the install's work inside the hold (the thread that holds the gate passes it) until ``release``;
+        False when ``deadline`` passed first."""
+        while not release.is_set():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            try:
+                job = self._jobs.get(timeout=left)
+            except queue.Empty:
+                return False
+            if job is not None:
+                job()
+        return True
+
     def gate_exit(self) -> bool:
         with self._lock:
             release, holder, self._release, self._holder = self._release, self._holder, None, None
         if release is None or holder is None:
             return False
         release.set()
+        self._jobs.put(None)  # wake the holder
         holder.join()
         return True
+
+    def prompt_logprobs(self, token_ids: Sequence[int]) -> list[float | None] | None:
+        """The family probe's scores, computed by the thread that holds the gate for the running install."""
+        if self._release is None:
+            raise HotWeightsError("the family probe runs inside an install, and no install holds this engine's gate")
+        done: Future[list[float | None] | None] = Future()
+
+        def job() -> None:
+            try:
+                done.set_result(self.handle.prompt_logprobs([int(t) for t in token_ids]))
+            except BaseException as exc:
+                done.set_exception(exc)
+
+        self._jobs.put(job)
+        return done.result(HOLD_LIMIT_S)
 
     def gate_refuse(self, reason: str) -> None:
         self.handle.gate.refuse(reason)
@@ -214,6 +256,7 @@ _OPS = {
         "gate_exit",
         "gate_refuse",
         "gate_reopen",
+        "prompt_logprobs",
     )
 }
 

@@ -7,7 +7,6 @@ so ``import hotweights`` stays cheap and works without vLLM (checked against vLL
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -34,7 +33,6 @@ __all__ = [
     "lora_request",
     "max_lora_rank",
     "num_workers",
-    "prompt_logprobs",
     "requests_in_flight",
     "reset_prefix_cache",
     "scheduler_paused",
@@ -206,21 +204,6 @@ def requests_in_flight(engine: Any) -> dict[str, tuple[int, str | None]]:
         starts = getattr(state, "weight_version_starts", None) or []
         found[str(rid)] = (tokens, str(starts[-1][0]) if starts else None)
     return found
-
-
-def prompt_logprobs(llm: Any, token_ids: Sequence[int]) -> list[float | None]:
-    """A ``vllm.LLM``'s log-probability of each of ``token_ids[1:]`` after the tokens before it (one greedy step,
-    ``prompt_logprobs=0``: the prompt's own tokens only); None where the engine gave none for a position."""
-    from vllm import SamplingParams
-
-    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0, detokenize=False)
-    (out,) = llm.generate([{"prompt_token_ids": list(token_ids)}], params, use_tqdm=False)
-    rows = list(out.prompt_logprobs or [])[1:]
-    got: list[float | None] = []
-    for token, row in zip(token_ids[1:], rows, strict=False):
-        entry = (row or {}).get(int(token))
-        got.append(None if entry is None else float(entry.logprob))
-    return got
 
 
 WORKER_EXTENSION = "hotweights.vllm.worker.extension.HotWeightsWorkerExtension"

@@ -1,0 +1,94 @@
+"""The family guard on a server reached with ``hotweights.connect``: with no family proven (as on vLLM 0.31, 0.33,
+0.34 and every GPU), the first install into a ``python -m hotweights.serve`` server is probed by default (its guard
+scores the probe while it holds generation routes), and a fault planted in the server's own write (a norm scaled by
+1.01) fails the install closed: the version unchanged, the server left paused, and the next good install serves the
+new weights exactly."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import hotweights
+from hotweights import FamilyProbeError
+from hotweights.core import families
+from hotweights.handles.remote import RemoteHandle
+from hotweights.testing import PROMPTS
+from tests.engine.faulty import EXTENSION, FAULT_FILE, plant
+from tests.remote.server import CPU_FLAGS, free_port, serving
+from tests.remote.test_token import GUARD_ENV, GuardedServer
+
+pytestmark = pytest.mark.engine
+
+ROOT = Path(__file__).resolve().parents[2]
+TIMEOUT = 60.0
+FAULT = "scale layers.0.post_attention_layernorm 1.01"
+
+
+@pytest.fixture(scope="module")
+def server(models: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -> Iterator[GuardedServer]:
+    token = secrets.token_urlsafe(24)
+    where = tmp_path_factory.mktemp("guard-remote")
+    fault = where / "fault"
+    plant(fault, "")
+    port = free_port()
+    cmd = [sys.executable, "-m", "hotweights.serve", "--model", str(models["path"]), "--port", str(port)]
+    cmd += [*CPU_FLAGS, "--worker-extension-cls", EXTENSION]  # hotweights' extension, with faults to plant
+    env = {k: v for k, v in os.environ.items() if k not in GUARD_ENV and k != "VLLM_ALLOW_INSECURE_SERIALIZATION"}
+    env.update({"HOTWEIGHTS_TOKEN": token, "VLLM_ENABLE_V1_MULTIPROCESSING": "1", FAULT_FILE: str(fault)})
+    env["PYTHONPATH"] = os.pathsep.join((str(ROOT / "src"), str(ROOT)))  # this checkout's hotweights and tests
+    with (where / "server.log").open("wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    srv = serving(GuardedServer(proc, url, str(models["path"]), where / "server.log", token), "hotweights.serve")
+    try:
+        yield srv
+    finally:
+        srv.kill()
+
+
+@pytest.fixture(scope="module")
+def engine(server: GuardedServer) -> Iterator[RemoteHandle]:
+    handle = hotweights.connect(server.url, token=server.token, timeout=TIMEOUT)
+    handle.call("hotweights_engine", "status", "{}", timeout=TIMEOUT)  # plants the faults' hooks (none yet)
+    yield handle
+    handle.close()
+
+
+def test_an_unproven_family_on_a_server_is_probed_and_a_planted_fault_fails_closed(
+    engine: RemoteHandle, server: GuardedServer, models: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(families, "PROVEN", {})
+    hf, a, b = models["hf"], models["A"].state_dict(), models["B"].state_dict()
+    assert hf["A"] != hf["B"]
+    assert server.completions(PROMPTS) == hf["A"]
+    probed = hotweights.install(engine, b, weight_version=1)
+    assert "probed at v1" in (probed.family_check or ""), probed.family_check
+    assert "family_probe" in probed.phases
+    assert engine.get_weight_version() == "1"
+    assert server.completions(PROMPTS) == hf["B"]
+    engine.__dict__.pop("_hotweights_family_probed", None)  # as on the server's first install
+    plant(_fault_file(server), FAULT)
+    try:
+        with pytest.raises(FamilyProbeError, match="differed from the reference"):
+            hotweights.install(engine, a, weight_version=2)
+        assert engine.get_weight_version() == "1"
+        assert engine.scheduler_paused()  # failed closed: left paused until a full install
+    finally:
+        plant(_fault_file(server), "")
+    healed = hotweights.install(engine, a, weight_version=2)
+    assert "probed at v2" in (healed.family_check or ""), healed.family_check
+    assert not engine.scheduler_paused()
+    assert engine.get_weight_version() == "2"
+    assert server.completions(PROMPTS) == hf["A"]
+
+
+def _fault_file(server: GuardedServer) -> Path:
+    return server.log.parent / "fault"
