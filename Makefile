@@ -38,8 +38,8 @@ $(STAMP031): pyproject.toml Makefile
 VLLM031_TESTS := tests/engine/test_inprocess_reload.py tests/engine/test_multiprocess.py tests/engine/test_any_llm.py \
 	tests/engine/test_async_llm.py tests/engine/test_architectures.py tests/engine/test_family_guard.py \
 	tests/engine/test_native_backend.py tests/unit/test_vllm_versions.py tests/unit/test_contract.py \
-	tests/engine/test_aside.py
-VLLM031_K := test_aside or test_vllm_versions or test_contract or (test_inprocess_reload and float32-untied) or (test_multiprocess and not killed) \
+	tests/engine/test_aside.py tests/engine/test_guard_engines.py tests/remote/test_guard_remote.py
+VLLM031_K := test_guard_engines or test_guard_remote or test_aside or test_vllm_versions or test_contract or (test_inprocess_reload and float32-untied) or (test_multiprocess and not killed) \
 	or (test_any_llm and (plain or inprocess_sleep)) or test_async_llm or test_family_guard or test_native_backend \
 	or (test_architectures and ((test_inprocess and (qwen3_moe or llama-float32-tied)) or (test_zero_config and qwen3_moe)))
 test-vllm031: $(STAMP031)

@@ -104,18 +104,21 @@ def test_bf16_tensors_into_a_bf16_engine_are_judged_by_their_own_rounding() -> N
     """Tensors already in the engine's half precision got the fp32 floor (0.02) as their tolerance while the engine's
     kernels round differently from transformers' bf16 ones (seen: a Qwen3-Next probe refused, 0.155 away). The
     reference now computes in fp32 and the bar is the model's own bf16 rounding, which still catches a stale layer."""
-    from hotweights.core.probe import FLOOR_MAX, _scores
+    from hotweights.core.probe import FLOOR_MAX, _model, _scores
 
     for arch in ("qwen2", "gemma2"):
         a, b = build_tiny_model(arch, 1), build_tiny_model(arch, 2)  # type: ignore[arg-type]
         sent = {k: v.to(torch.bfloat16) for k, v in b.state_dict().items()}
         ref = reference(b.config, sent, torch.bfloat16)
         assert ref.tolerance > FLOOR_MAX, (arch, ref.tolerance)
-        fp32_compute = [float(x) for x in _scores(b.config, {k: v.float() for k, v in sent.items()}, ref.token_ids)]
-        bf16_compute = _scores(b.config, sent, ref.token_ids)
+        fp32 = _model(b.config, {k: v.float() for k, v in sent.items()})
+        fp32_compute = [float(x) for x in _scores(fp32, ref.token_ids, torch.float32)]
+        bf16_compute = _scores(_model(b.config, sent), ref.token_ids, torch.bfloat16)
         assert ref.judge(fp32_compute)[0] and ref.judge(bf16_compute)[0], arch  # either kernel's rounding passes
         stale = {k: a.state_dict()[k].to(torch.bfloat16) if "layers.1.mlp" in k else v for k, v in sent.items()}
-        assert not ref.judge(_scores(b.config, stale, ref.token_ids))[0], arch  # a stale layer fails
+        assert not ref.judge(_scores(_model(b.config, stale), ref.token_ids, torch.bfloat16))[0], (
+            arch
+        )  # a stale layer fails
 
 
 def test_an_unproven_family_on_a_paused_scheduler_is_refused_not_probed() -> None:

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["PROBE_LENGTH", "ProbeReference", "config_from_json", "probe_tokens", "reference"]
+__all__ = ["PROBE_LENGTH", "ProbeReference", "computing_in", "config_from_json", "probe_tokens", "reference"]
 
 #: Tokens in the probe prompt (the engine scores all but the first).
 PROBE_LENGTH = 24
@@ -87,11 +87,12 @@ def reference(config: Any, tensors: Any, engine_dtype: torch.dtype) -> ProbeRefe
     ids = probe_tokens(vocab)
     sent = _dtype_of(state)
     half = engine_dtype.is_floating_point and engine_dtype.itemsize < 4
+    model = _model(config, state)  # holds the sent tensors as they are (no copy where they need no conversion)
     # the reference computes in fp32 where the engine or the tensors are half precision: what the sent values mean
-    scores = _scores(config, _cast(state, torch.float32) if half or sent.itemsize < 4 else state, ids)
+    scores = _scores(model, ids, torch.float32 if half or sent.itemsize < 4 else sent)
     max_tol, median_tol = FLOOR_MAX, FLOOR_MEDIAN
     if half:  # the engine rounds weights and every layer's output: this model's own rounding sets the bar
-        noise = [abs(a - b) for a, b in zip(_scores(config, _cast(state, engine_dtype), ids), scores, strict=True)]
+        noise = [abs(a - b) for a, b in zip(_scores(model, ids, engine_dtype), scores, strict=True)]
         max_tol = max(max_tol, NOISE_FACTOR * max(noise))
         median_tol = max(median_tol, NOISE_FACTOR * statistics.median(noise))
     return ProbeReference(ids, tuple(scores), round(max_tol, 6), round(median_tol, 6))
@@ -107,12 +108,9 @@ def config_from_json(text: str) -> Any:
     return transformers.AutoConfig.for_model(str(data.pop("model_type")), **data)
 
 
-def _cast(state: dict[str, Any], dtype: torch.dtype) -> dict[str, Any]:
-    return {k: v.to(dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() else v for k, v in state.items()}
-
-
-def _scores(config: Any, state: dict[str, Any], ids: tuple[int, ...]) -> list[float]:
-    """transformers' log-probability of each of ``ids[1:]`` after the ones before, from a model holding ``state``."""
+def _model(config: Any, state: dict[str, Any]) -> Any:
+    """A transformers model of ``config`` holding ``state`` in its own dtype (``from_pretrained`` keeps a tensor of
+    the right dtype as it is)."""
     import transformers
 
     model_cls = _model_class(transformers, config)
@@ -123,11 +121,92 @@ def _scores(config: Any, state: dict[str, Any], ids: tuple[int, ...]) -> list[fl
     missing = [k for k in info.get("missing_keys", ()) if not _tied(k, config)]
     if missing:
         raise ValueError(f"the tensors do not fill a transformers {model_cls.__name__}: missing {sorted(missing)[:3]}")
-    model.eval()
+    return model.eval()
+
+
+def _scores(model: Any, ids: tuple[int, ...], dtype: torch.dtype) -> list[float]:
+    """transformers' log-probability of each of ``ids[1:]`` after the ones before, computed in ``dtype``."""
     device = next(model.parameters()).device
-    logits = model(torch.tensor([ids], device=device)).logits[0].float()
+    with computing_in(model, dtype):
+        logits = model(torch.tensor([ids], device=device)).logits[0].float()
     logprobs = torch.log_softmax(logits[:-1], dim=-1).gather(1, torch.tensor(ids[1:], device=device)[:, None])
     return [float(x) for x in logprobs[:, 0].cpu()]
+
+
+#: Bytes of one weight cast at a time: a larger linear layer (an output head over a large vocabulary) is computed
+#: in slices of its rows.
+CAST_SLICE_BYTES = 4 << 20
+
+
+@contextlib.contextmanager
+def computing_in(model: torch.nn.Module, dtype: torch.dtype) -> Iterator[None]:
+    """Run ``model``'s forward in ``dtype`` while its weights stay as they are: each module's own floating-point
+    parameters are cast as it runs and dropped after it, so the extra memory is one module's weights in ``dtype``
+    (an embedding looks up, then casts the rows it found; a large linear layer casts slices of its rows in turn).
+    Casting a weight before a lookup or a product gives the same numbers as casting the whole model first."""
+    patched: list[torch.nn.Module] = []
+    hooks: list[Any] = []
+    for module in model.modules():
+        own = [n for n, p in module.named_parameters(recurse=False) if p.is_floating_point() and p.dtype != dtype]
+        plain = type(module).forward in (torch.nn.Linear.forward, torch.nn.Embedding.forward)  # not a subclass's own
+        if plain and isinstance(module, torch.nn.Linear) and module.weight.numel() * dtype.itemsize > CAST_SLICE_BYTES:
+            module.forward = _sliced(module, dtype)  # type: ignore[method-assign]  # also uncast: a CPU kernel
+            patched.append(module)  # may repack the whole weight for one product
+        elif not own:
+            continue
+        elif plain and isinstance(module, torch.nn.Embedding):
+            module.forward = _looked_up(module, dtype)  # type: ignore[method-assign]
+            patched.append(module)
+        else:
+            hooks.append(module.register_forward_pre_hook(_cast_own(own, dtype)))
+            hooks.append(module.register_forward_hook(_uncast_own))
+    try:
+        yield
+    finally:
+        for hook in hooks:
+            hook.remove()
+        for module in patched:
+            del module.forward
+
+
+def _cast_own(names: list[str], dtype: torch.dtype) -> Any:
+    def pre(module: torch.nn.Module, args: Any) -> Any:
+        kept = module.__dict__.setdefault("_hotweights_uncast", {})
+        for name in names:
+            kept[name] = module._parameters[name]
+            module._parameters[name] = module._parameters[name].detach().to(dtype)  # type: ignore[union-attr,assignment]
+        return tuple(a.to(dtype) if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args)
+
+    return pre
+
+
+def _uncast_own(module: torch.nn.Module, args: Any, output: Any) -> None:
+    for name, param in module.__dict__.pop("_hotweights_uncast", {}).items():
+        module._parameters[name] = param
+
+
+def _looked_up(module: torch.nn.Embedding, dtype: torch.dtype) -> Any:
+    def forward(ids: torch.Tensor) -> torch.Tensor:
+        rows = torch.nn.functional.embedding(ids, module.weight, module.padding_idx, module.max_norm)
+        return rows.to(dtype)
+
+    return forward
+
+
+def _sliced(module: torch.nn.Linear, dtype: torch.dtype) -> Any:
+    rows = max(1, CAST_SLICE_BYTES // max(1, module.in_features * dtype.itemsize))
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        x = x.to(dtype)
+        weight, bias = module.weight, module.bias
+        parts = []
+        for start in range(0, module.out_features, rows):
+            w = weight[start : start + rows].to(dtype)
+            b = None if bias is None else bias[start : start + rows].to(dtype)
+            parts.append(torch.nn.functional.linear(x, w, b))
+        return torch.cat(parts, dim=-1)
+
+    return forward
 
 
 def _model_class(transformers: Any, config: Any) -> Any:
