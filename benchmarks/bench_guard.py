@@ -7,7 +7,15 @@ Rounds alternate A and B between the two settings on the same engine (a second e
 first install is probed), each install timed whole; reported: the first install's probe phase, the medians of the
 later installs in each setting and their ratio, and ``check_family``'s own time per install.
 
-Run: ``.venv/bin/python benchmarks/bench_guard.py [--rounds 20] [--size full|tiny]``.
+``--warm``: the engine serves one request with ``prompt_logprobs`` before the first install, as an RL rollout engine
+that returns logprobs has (vLLM compiles its logprob ranking on the first such request, ~1.7 s here; a cold engine
+pays that inside the probe).
+
+``--reference``: the probe's reference alone, for the sent tensors' and the engine's dtypes (fp32 -> fp32, fp32 ->
+bf16, bf16 -> bf16), each in a process of its own: its time and its peak resident memory above what the process held
+before (sampled every 2 ms), against the model's size.
+
+Run: ``.venv/bin/python benchmarks/bench_guard.py [--rounds 20] [--size full|tiny] [--warm] [--reference]``.
 """
 
 from __future__ import annotations
@@ -15,8 +23,10 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -33,17 +43,80 @@ SIZES = {
 }
 
 
+#: The reference's cases: (sent tensors' dtype, engine dtype).
+CASES = {
+    "fp32->fp32": ("float32", "float32"),
+    "fp32->bf16": ("float32", "bfloat16"),
+    "bf16->bf16": ("bfloat16", "bfloat16"),
+}
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def reference_case(case: str, size: str) -> None:
+    """One reference in this process: prints its time and peak extra memory."""
+    import torch
+
+    from hotweights.core.probe import reference
+    from hotweights.testing import tiny_config
+
+    sent, engine = (getattr(torch, d) for d in CASES[case])
+    sd = {k: v.to(sent) for k, v in build_tiny_model("qwen2", seed=1, **SIZES[size]).state_dict().items()}
+    small = build_tiny_model("qwen2", seed=1)
+    reference(small.config, small.state_dict(), engine)  # imports and first-call costs out of the way
+    base = peak = _rss()
+    running = True
+
+    def sample() -> None:
+        nonlocal peak
+        while running:
+            peak = max(peak, _rss())
+            time.sleep(0.002)
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    t0 = time.perf_counter()
+    ref = reference(tiny_config("qwen2", **SIZES[size]), sd, engine)
+    seconds = time.perf_counter() - t0
+    running = False
+    sampler.join()
+    model = sum(t.nbytes for t in sd.values())
+    extra = peak - base
+    print(
+        f"reference {case}: {seconds:.2f} s, peak extra {extra / 2**20:.0f} MiB of a {model / 2**20:.0f} MiB model "
+        f"({extra / model:.1%}), tolerance {ref.tolerance:g}"
+    )
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--size", choices=sorted(SIZES), default="full")
+    parser.add_argument("--warm", action="store_true", help="one prompt_logprobs request before the first install")
+    parser.add_argument("--reference", action="store_true", help="the reference's time and memory, per dtype")
+    parser.add_argument("--reference-case", choices=sorted(CASES), help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.reference_case:
+        reference_case(args.reference_case, args.size)
+        return 0
+    if args.reference:
+        for case in CASES:
+            cmd = [sys.executable, __file__, "--reference-case", case, "--size", args.size]
+            subprocess.run(cmd, check=True)
+        return 0
     models = [build_tiny_model("qwen2", seed=s, **SIZES[args.size]) for s in (1, 2)]
     sds = [dict(m.state_dict()) for m in models]
     nbytes = sum(t.nbytes for t in sds[0].values())
     with tempfile.TemporaryDirectory(prefix="hotweights-bench-guard-") as tmp:
         path = save_tiny_model(models[0], Path(tmp) / "a")
         llm = start_engine(path, max_model_len=64)
+        if args.warm:
+            from hotweights.vllm.scoring import score
+
+            score(llm, [2, 3, 4, 5])
         proven = families.PROVEN
         times: dict[str, list[float]] = {"proven": [], "unproven": []}
         version = 0
