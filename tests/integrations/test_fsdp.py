@@ -34,12 +34,16 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _train(arch: str, tmp_path: Path, engine_tp: int = 1, die_in: str = "write") -> list[dict[str, Any]]:
+def _train(
+    arch: str, tmp_path: Path, engine_tp: int = 1, die_in: str = "write", unproven: bool = False
+) -> list[dict[str, Any]]:
     model_dir = save_tiny_model(build_tiny_model(arch, seed=3), tmp_path / "initial")
     tp_models = [str(save_tiny_model(build_tiny_model(arch, seed=s), tmp_path / f"tp{s}")) for s in (11, 12)]
     port = _free_port()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)])}
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+    if unproven:  # as on a vLLM where no family is proven: the leader probes the first install
+        env["HOTWEIGHTS_TEST_UNPROVEN"] = "1"
     ranks, logs = [], [tmp_path / f"rank{r}.log" for r in range(2)]
     for r in range(2):
         command = [sys.executable, "-m", "tests.integrations.fsdp_rank", "--rank", str(r), "--port", str(port)]
@@ -135,3 +139,14 @@ def test_fsdp2_ranks_install_their_shards(arch: str, engine_tp: int, tmp_path: P
         assert greedy_vllm(fresh) == lead["steps"][-1]["vllm"]
     finally:
         stop_engine(fresh)
+
+
+@pytest.mark.slow
+def test_an_unproven_family_is_probed_without_gathering_the_model(tmp_path: Path) -> None:
+    """No family proven (vLLM 0.31, 0.33, 0.34, GPUs): the leader's first install is probed, and its reference reads
+    each module's tensors (gathered from the ranks) while that module runs, never the whole model at once."""
+    lead, _ = _train("qwen2", tmp_path, unproven=True)
+    first = lead["steps"][0]
+    assert "probed at v1" in (first["report"]["family_check"] or ""), first["report"]
+    assert first["vllm"] == first["hf"]
+    assert 0 < first["peak"] < first["model_bytes"] / 2, (first["peak"], first["model_bytes"])

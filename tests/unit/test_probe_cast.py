@@ -4,10 +4,13 @@ cast whole."""
 
 from __future__ import annotations
 
+import weakref
+
 import pytest
 import torch
 
 from hotweights.core import probe
+from hotweights.core.cast import CastItems
 from hotweights.core.probe import computing_in, probe_tokens
 from hotweights.testing import build_tiny_model
 
@@ -41,3 +44,29 @@ def test_a_reference_from_bf16_tensors_holds_them_without_a_copy(monkeypatch: py
     ref = probe.reference(model.config, sd, torch.bfloat16)
     fp32 = probe.reference(model.config, {k: v.float() for k, v in sd.items()}, torch.bfloat16)
     assert ref.logprobs == pytest.approx(fp32.logprobs, abs=1e-5)
+
+
+def test_a_sharded_update_is_probed_one_module_at_a_time() -> None:
+    """The tensors of a sharded state dict are gathered when read (``CastItems`` with a loader): the reference reads
+    each module's while it runs and drops them after, never the whole model at once, with the numbers of the
+    reference built from the whole tensors."""
+    model = build_tiny_model("qwen2", 1)
+    sd = model.state_dict()
+    placeholders = [(n, torch.empty(t.shape, dtype=t.dtype, device="meta")) for n, t in sd.items()]
+    live: dict[int, int] = {}
+    most = 0
+
+    def load(name: str, _: torch.Tensor) -> torch.Tensor:
+        nonlocal most
+        tensor = sd[name].clone()  # "gathered": a new tensor, counted while it lives
+        live[id(tensor)] = tensor.nbytes
+        weakref.finalize(tensor, live.pop, id(tensor), None)
+        most = max(most, sum(live.values()))
+        return tensor
+
+    lazy = probe.reference(model.config, CastItems(placeholders, {}, load), torch.bfloat16)
+    whole = probe.reference(model.config, sd, torch.bfloat16)
+    assert lazy.logprobs == pytest.approx(whole.logprobs, abs=1e-6) and lazy.tolerance == pytest.approx(whole.tolerance)
+    total = sum(t.nbytes for t in sd.values())
+    largest = max(t.nbytes for t in sd.values())
+    assert 0 < most <= largest < total / 2, (most, largest, total)  # one module at a time, never the model

@@ -19,11 +19,13 @@ from __future__ import annotations
 import contextlib
 import math
 import statistics
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from hotweights.core.cast import CastItems
 
 __all__ = ["PROBE_LENGTH", "ProbeReference", "computing_in", "config_from_json", "probe_tokens", "reference"]
 
@@ -82,17 +84,20 @@ def reference(config: Any, tensors: Any, engine_dtype: torch.dtype) -> ProbeRefe
     Raises:
         ValueError: transformers has no model class for ``config``, or the tensors do not fill it (named).
     """
-    state = dict(tensors.items() if hasattr(tensors, "items") else tensors)
     vocab = int(getattr(config, "vocab_size", 0) or getattr(_text(config), "vocab_size", 0))
     ids = probe_tokens(vocab)
-    sent = _dtype_of(state)
+    held = _held_lazily(config, tensors) if isinstance(tensors, CastItems) and tensors.load is not None else None
+    if held is not None:  # a sharded state dict: each module's tensors gathered while it runs, dropped after
+        model, fetch, sent = held
+    else:
+        state = dict(tensors.items() if hasattr(tensors, "items") else tensors)
+        model, fetch, sent = _model(config, state), None, _dtype_of(state)  # the sent tensors as they are
     half = engine_dtype.is_floating_point and engine_dtype.itemsize < 4
-    model = _model(config, state)  # holds the sent tensors as they are (no copy where they need no conversion)
     # the reference computes in fp32 where the engine or the tensors are half precision: what the sent values mean
-    scores = _scores(model, ids, torch.float32 if half or sent.itemsize < 4 else sent)
+    scores = _scores(model, ids, torch.float32 if half or sent.itemsize < 4 else sent, fetch)
     max_tol, median_tol = FLOOR_MAX, FLOOR_MEDIAN
     if half:  # the engine rounds weights and every layer's output: this model's own rounding sets the bar
-        noise = [abs(a - b) for a, b in zip(_scores(model, ids, engine_dtype), scores, strict=True)]
+        noise = [abs(a - b) for a, b in zip(_scores(model, ids, engine_dtype, fetch), scores, strict=True)]
         max_tol = max(max_tol, NOISE_FACTOR * max(noise))
         median_tol = max(median_tol, NOISE_FACTOR * statistics.median(noise))
     return ProbeReference(ids, tuple(scores), round(max_tol, 6), round(median_tol, 6))
@@ -124,10 +129,33 @@ def _model(config: Any, state: dict[str, Any]) -> Any:
     return model.eval()
 
 
-def _scores(model: Any, ids: tuple[int, ...], dtype: torch.dtype) -> list[float]:
+#: Where a parameter's data is read from while its module runs (a lazily held model; None: it holds its data).
+Fetch = Callable[[torch.Tensor], torch.Tensor | None]
+
+
+def _held_lazily(config: Any, items: CastItems) -> tuple[Any, Fetch, torch.dtype] | None:
+    """A model of ``config`` whose parameters are placeholders of ``items`` (sharded tensors, gathered when read),
+    the fetch that reads each one while its module runs, and the sent dtype. None where transformers would convert a
+    tensor (per-expert names into fused experts): a converted placeholder has no data to read."""
+    specs = [(name, t.shape, items.targets.get(name, t.dtype)) for name, t in items.source]
+    holders = {name: torch.zeros((), dtype=dtype).expand(shape) for name, shape, dtype in specs}
+    index = {holders[name].data_ptr(): i for i, (name, _, _) in enumerate(specs)}
+    model = _model(config, holders)
+    if any(p.data_ptr() not in index for p in model.parameters()):
+        return None
+
+    def fetch(param: torch.Tensor) -> torch.Tensor | None:
+        i = index.get(param.data_ptr())
+        return None if i is None else items[i][1]
+
+    dtypes = [dtype for _, _, dtype in specs if dtype.is_floating_point]
+    return model, fetch, dtypes[0] if dtypes else torch.float32
+
+
+def _scores(model: Any, ids: tuple[int, ...], dtype: torch.dtype, fetch: Fetch | None = None) -> list[float]:
     """transformers' log-probability of each of ``ids[1:]`` after the ones before, computed in ``dtype``."""
     device = next(model.parameters()).device
-    with computing_in(model, dtype):
+    with computing_in(model, dtype, fetch):
         logits = model(torch.tensor([ids], device=device)).logits[0].float()
     logprobs = torch.log_softmax(logits[:-1], dim=-1).gather(1, torch.tensor(ids[1:], device=device)[:, None])
     return [float(x) for x in logprobs[:, 0].cpu()]
@@ -139,14 +167,22 @@ CAST_SLICE_BYTES = 4 << 20
 
 
 @contextlib.contextmanager
-def computing_in(model: torch.nn.Module, dtype: torch.dtype) -> Iterator[None]:
+def computing_in(model: torch.nn.Module, dtype: torch.dtype, fetch: Fetch | None = None) -> Iterator[None]:
     """Run ``model``'s forward in ``dtype`` while its weights stay as they are: each module's own floating-point
     parameters are cast as it runs and dropped after it, so the extra memory is one module's weights in ``dtype``
     (an embedding looks up, then casts the rows it found; a large linear layer casts slices of its rows in turn).
-    Casting a weight before a lookup or a product gives the same numbers as casting the whole model first."""
+    Casting a weight before a lookup or a product gives the same numbers as casting the whole model first.
+
+    With ``fetch``, the parameters are placeholders: each module's are read by ``fetch`` as it runs (then cast)."""
     patched: list[torch.nn.Module] = []
     hooks: list[Any] = []
     for module in model.modules():
+        if fetch is not None:
+            names = [n for n, _ in module.named_parameters(recurse=False)]
+            if names:
+                hooks.append(module.register_forward_pre_hook(_cast_own(names, dtype, fetch)))
+                hooks.append(module.register_forward_hook(_uncast_own))
+            continue
         own = [n for n, p in module.named_parameters(recurse=False) if p.is_floating_point() and p.dtype != dtype]
         plain = type(module).forward in (torch.nn.Linear.forward, torch.nn.Embedding.forward)  # not a subclass's own
         if plain and isinstance(module, torch.nn.Linear) and module.weight.numel() * dtype.itemsize > CAST_SLICE_BYTES:
@@ -169,12 +205,16 @@ def computing_in(model: torch.nn.Module, dtype: torch.dtype) -> Iterator[None]:
             del module.forward
 
 
-def _cast_own(names: list[str], dtype: torch.dtype) -> Any:
+def _cast_own(names: list[str], dtype: torch.dtype, fetch: Fetch | None = None) -> Any:
     def pre(module: torch.nn.Module, args: Any) -> Any:
         kept = module.__dict__.setdefault("_hotweights_uncast", {})
         for name in names:
-            kept[name] = module._parameters[name]
-            module._parameters[name] = module._parameters[name].detach().to(dtype)  # type: ignore[union-attr,assignment]
+            param = module._parameters[name]
+            assert param is not None
+            data = fetch(param) if fetch is not None else None
+            data = param if data is None else data
+            kept[name] = param
+            module._parameters[name] = data.detach().to(dtype) if data.is_floating_point() else data  # type: ignore[assignment]
         return tuple(a.to(dtype) if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args)
 
     return pre
