@@ -21,6 +21,7 @@ import pytest
 import torch
 
 import hotweights
+from hotweights.core import families
 from hotweights.handles import as_engine
 from hotweights.handles.async_llm import PauseGate
 from hotweights.testing import BLOCK_SIZE, EventLoopThread, greedy_hf, start_async_engine
@@ -185,3 +186,20 @@ def test_a_request_after_a_keep_install_never_reuses_old_blocks(eng: Engine) -> 
         return final
 
     assert list(eng.loop.run(salted()).outputs[0].token_ids) == fresh[1]
+
+
+def test_keep_through_a_probed_first_install_labels_what_decoded_during_the_probe(
+    eng: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No family proven (vLLM 0.31, 0.33, 0.34, GPUs): the first install into the engine is probed. Under keep, the
+    requests in flight decode on the new weights while the probe runs, so their tokens from then on carry the new
+    version: the kept-KV reference holds from the labelled switch (labelled from the version record instead, the
+    tokens decoded during the probe would read as the old version's)."""
+    monkeypatch.setattr(families, "PROVEN", {})
+    as_engine(eng.engine).__dict__.pop("_hotweights_family_probed", None)  # as on the engine's first install
+    on_a = eng.greedy(SHARED) == greedy_hf(eng.a.model, [SHARED])[0]
+    old, new = (eng.a, eng.b) if on_a else (eng.b, eng.a)
+    outs, report = eng.install_during(new, "keep", CROSSING)
+    assert "probed at" in (report.family_check or "") and "family_probe" in report.phases, report.family_check
+    _check_crossed(outs, old.model, new.model, "keep")
+    assert eng.greedy(SHARED) == greedy_hf(new.model, [SHARED])[0]
