@@ -27,28 +27,22 @@ import mmap
 import os
 import pickle
 import re
-import warnings
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from hotweights.core import attach
-from hotweights.core.buckets import ALIGNMENT, Bucket, BucketEntry
 from hotweights.core.envelope import enveloped
 from hotweights.core.errors import (
     EngineNotSupportedError,
     HotWeightsTimeoutError,
     InstallError,
-    Mismatch,
-    WeightManifestValidationError,
 )
-from hotweights.core.manifest import ExpectedWeights, TensorSpec, WeightUpdateManifest, dtype_to_str
-from hotweights.core.names import to_checkpoint
+from hotweights.core.manifest import ExpectedWeights
+from hotweights.integrations.verl_update import TRANSPORT, Update
 from hotweights.transports import available_transports, register_transport
 from hotweights.vllm.worker.extension import HotWeightsWorkerExtension
-from hotweights.vllm.worker.session import SessionOptions, session_of
 
 __all__ = ["DEFAULT_TIMEOUT_S", "TIMEOUT_ENV", "VerlReceiver", "open_bucket"]  # and VerlWorkerExtension, built on use
 
@@ -60,7 +54,6 @@ DEFAULT_TIMEOUT_S = 300.0
 #: The shared-memory names verl's sender makes (``verl_weights_<uuid4 hex>``): the only files this worker opens.
 SHM_NAME = re.compile(r"verl_weights_[0-9a-f]{32}")
 SHM_DIR = Path("/dev/shm")
-_TRANSPORT = "verl"
 
 _TORCH_TYPES = {
     "Size",
@@ -99,146 +92,14 @@ def open_bucket(descriptor: dict[str, Any], worker: Any = None) -> tuple[torch.T
     return buffer, buffer
 
 
-if _TRANSPORT not in available_transports():
-    register_transport(_TRANSPORT, __name__)
-
-
-# ---------------------------------------------------------------------------------------------------- the install
-@dataclass
-class _Update:
-    """One verl sync into the worker's install session: opened at the first bucket where the engine knows its
-    checkpoint (each bucket then staged as it arrives), else at the last one, on what arrived."""
-
-    worker: Any
-    version: int
-    expected: ExpectedWeights | None
-    dtype: torch.dtype | None
-    update_id: str | None = None
-    index: int = 0
-    specs: dict[str, TensorSpec] = field(default_factory=dict)
-    pending: list[tuple[Bucket, torch.Tensor]] = field(default_factory=list)
-
-    @property
-    def session(self) -> Any:
-        return session_of(self.worker)
-
-    def stage(self, buffer: torch.Tensor, entries: list[tuple[str, torch.Size, torch.dtype, int]]) -> None:
-        """Check one verl bucket, pack it (cast to what the engine serves) and stage it."""
-        index, self.index = self.index, self.index + 1
-        problems: list[Mismatch] = []
-        items: list[tuple[str, torch.Tensor]] = []
-        for name, shape, dtype, offset in entries:
-            nbytes = shape.numel() * dtype.itemsize
-            if offset < 0 or offset + nbytes > buffer.numel():
-                problems.append(Mismatch("manifest", name, actual=f"outside verl's {buffer.numel()}-byte buffer"))
-            else:
-                items.append((name, buffer[offset : offset + nbytes].view(dtype).view(shape)))
-        if not problems and self.expected is not None:  # transformers 5's in-memory names (fused experts), mapped
-            e = self.expected
-            items, _ = to_checkpoint(items, e.tensors, e.model_type, architectures=e.architectures)
-        ignored = self.expected.ignored if self.expected is not None else {}
-        specs: dict[str, TensorSpec] = {}
-        wanted: list[tuple[str, torch.Tensor]] = []
-        for name, tensor in items:
-            if name in ignored:
-                continue
-            sent, dtype = tuple(tensor.shape), tensor.dtype
-            spec = self._spec(name, sent, dtype)
-            if spec is None:
-                problems.append(Mismatch("unexpected", name, actual=f"{list(sent)} {dtype_to_str(dtype)}"))
-            elif tuple(spec.shape) != sent:
-                problems.append(Mismatch("shape", name, expected=str(list(spec.shape)), actual=str(list(sent))))
-            elif spec.torch_dtype.is_floating_point != dtype.is_floating_point or (
-                not dtype.is_floating_point and spec.torch_dtype != dtype
-            ):
-                problems.append(Mismatch("dtype", name, expected=spec.dtype, actual=dtype_to_str(dtype)))
-            elif name in self.specs or name in specs:
-                problems.append(Mismatch("manifest", name, actual="sent twice in one update"))
-            else:
-                specs[name] = spec
-                wanted.append((name, tensor))
-        if problems:
-            raise WeightManifestValidationError(
-                problems, context=f"verl's bucket {index} (checked by the engine's worker)"
-            )
-        if not specs:
-            return
-        bucket, packed = _pack(index, wanted, specs, buffer.device)
-        self.specs.update(specs)
-        if self.update_id is None and self.expected is not None:
-            self._begin(self.expected.tensors)
-        if self.update_id is None:
-            self.pending.append((bucket, packed))
-        else:
-            self.session.stage(self.update_id, bucket.model_dump_json(), _descriptor(packed))
-
-    def commit(self) -> dict[str, int | str | float]:
-        """Validate (every tensor arrived) and install atomically; returns the session's summary."""
-        if not self.specs:  # an empty update (a checkpoint engine's rollout side, when the trainer installed)
-            return {}
-        if self.update_id is None:
-            self._begin(self.specs)
-            assert self.update_id is not None
-            for bucket, packed in self.pending:
-                self.session.stage(self.update_id, bucket.model_dump_json(), _descriptor(packed))
-            self.pending.clear()
-        missing = [n for n in self.session.staging.current(self.update_id).missing()]
-        if missing:
-            assert self.expected is not None
-            spec = self.expected.tensors
-            raise WeightManifestValidationError(
-                [Mismatch("missing", n, expected=f"{list(spec[n].shape)} {spec[n].dtype}") for n in missing],
-                context="verl's update (checked by the engine's worker)",
-            )
-        update_id, self.update_id = self.update_id, None
-        summary: dict[str, int | str | float] = self.session.commit(update_id)
-        return summary
-
-    def abort(self) -> None:
-        self.pending.clear()
-        if self.update_id is not None:
-            update_id, self.update_id = self.update_id, None
-            self.session.abort(update_id)
-
-    def _spec(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> TensorSpec | None:
-        if self.expected is not None:
-            return self.expected.tensors.get(name)
-        cast = self.dtype is not None and dtype.is_floating_point
-        return TensorSpec(shape=shape, dtype=dtype_to_str(self.dtype if cast and self.dtype else dtype))
-
-    def _begin(self, specs: Any) -> None:
-        manifest = WeightUpdateManifest.from_specs(specs, weight_version=self.version, metadata={"sender": "verl"})
-        opened = self.session.begin(SessionOptions(), manifest)
-        self.update_id = str(opened["update_id"])
-
-
-def _pack(
-    index: int, items: list[tuple[str, torch.Tensor]], specs: dict[str, TensorSpec], device: torch.device
-) -> tuple[Bucket, torch.Tensor]:
-    """verl's tensors (views of its buffer) copied into one fresh hotweights bucket, each at an aligned offset,
-    floating-point ones cast to the spec's dtype on the way (the copy verl's buffer needs anyway: the sender
-    overwrites it with the next bucket)."""
-    placed: list[BucketEntry] = []
-    end = 0
-    for name, _ in items:
-        offset = (end + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT
-        placed.append(BucketEntry(name=name, offset=offset, nbytes=specs[name].expected_nbytes))
-        end = offset + specs[name].expected_nbytes
-    packed = torch.empty(end, dtype=torch.uint8, device=device)
-    for entry, (name, tensor) in zip(placed, items, strict=True):
-        dst = packed[entry.offset : entry.offset + entry.nbytes].view(specs[name].torch_dtype).view(tensor.shape)
-        dst.copy_(tensor)
-    return Bucket(index=index, nbytes=end, entries=tuple(placed)), packed
-
-
-def _descriptor(packed: torch.Tensor) -> dict[str, Any]:
-    return {"transport": _TRANSPORT, "nbytes": packed.numel(), "buffer": packed}
+if TRANSPORT not in available_transports():
+    register_transport(TRANSPORT, __name__)
 
 
 # ---------------------------------------------------------------------------------------------------- verl's wire
 class _Buffer:
-    """verl's bucket buffer, mapped read-only: a shared-memory file of the sender's (never unlinked here unless the
-    sender is gone), or its CUDA IPC buffer."""
+    """verl's bucket buffer: a shared-memory file of the sender's, mapped copy-on-write (a write here never reaches
+    the sender's file; never unlinked here unless the sender is gone), or its CUDA IPC buffer."""
 
     def __init__(self, meta: Any, use_shm: bool, device: torch.device | None) -> None:
         self.path: Path | None = None
@@ -252,15 +113,11 @@ class _Buffer:
             fd = os.open(self.path, os.O_RDONLY)
             try:
                 size = min(int(meta["size"]), os.fstat(fd).st_size)
-                self._map = mmap.mmap(fd, size, prot=mmap.PROT_READ) if size else None
+                self._map = mmap.mmap(fd, size, access=mmap.ACCESS_COPY) if size else None
             finally:
                 os.close(fd)
-            with warnings.catch_warnings():  # read-only on purpose: this worker never writes into the sender's file
-                warnings.simplefilter("ignore", UserWarning)
-                empty = self._map is None
-                self.tensor = (
-                    torch.empty(0, dtype=torch.uint8) if empty else torch.frombuffer(self._map, dtype=torch.uint8)
-                )
+            empty = self._map is None
+            self.tensor = torch.empty(0, dtype=torch.uint8) if empty else torch.frombuffer(self._map, dtype=torch.uint8)
         else:
             self.tensor = _rebuild_ipc(meta, device)
 
@@ -376,7 +233,7 @@ class VerlReceiver(HotWeightsWorkerExtension):
         socket.setsockopt(zmq.RCVTIMEO, int(timeout * 1000))
         socket.setsockopt(zmq.LINGER, 0)
         socket.connect(self._get_zmq_handle())  # type: ignore[attr-defined]
-        update = _Update(worker, version, expected, _engine_dtype(worker))
+        update = Update(worker, version, expected, _engine_dtype(worker))
         device = getattr(worker, "device", None)
         buffer: _Buffer | None = None
         gone = False
@@ -412,7 +269,7 @@ class VerlReceiver(HotWeightsWorkerExtension):
                             alone = _rebuild_ipc(handle, device)
                             update.stage(alone, [(name, _shape_of(handle), _dtype_of(handle), 0)])
                         if inside:
-                            update.stage(buffer.tensor, inside)
+                            update.stage(buffer.tensor, inside, borrow=is_last)
                         if is_last:
                             result = update.commit()
                 except Exception as exc:
