@@ -280,6 +280,15 @@ CONTRACT: tuple[Entry, ...] = (
         coroutine=True,
     ),
     _e(_ASYNC, "AsyncLLM.resume_generation", "method", "PauseGate.installing", "always resumed", coroutine=True),
+    _e(
+        _ASYNC,
+        "AsyncLLM.abort",
+        "method",
+        "PauseGate.refuse",
+        "a failed install aborts the requests in flight by their internal ids",
+        args=("request_id", "internal"),
+        coroutine=True,
+    ),
     _e(_ASYNC, "AsyncLLM.is_paused", "method", "AsyncLLMHandle.scheduler_paused", "paused?", coroutine=True),
     _e(
         _ASYNC,

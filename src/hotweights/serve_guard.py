@@ -341,13 +341,21 @@ class HotWeightsGuard:
         """``GET``: the engine's family, transformers config and dtype (what the trainer builds the family probe's
         reference from); ``POST {"token_ids": [...]}`` (at most :data:`~hotweights.vllm.scoring.MAX_PROBE_TOKENS`
         ids of the vocabulary): the engine's scores of them, run inside an install with generation routes held (see
-        :func:`~hotweights.vllm.scoring.score_during_install`). 501 where the guard cannot reach the engine."""
+        :func:`~hotweights.vllm.scoring.score_during_install`); ``DELETE``: abort the requests in flight (they decoded
+        during a probe that then failed, under ``keep`` or ``recompute``). 501 where the guard cannot reach the
+        engine."""
         from hotweights.vllm import scoring
 
         assert self.config is not None
         engine = self._engine
         if engine is None:
             await _refuse(scope, receive, send, 501, "hotweights guard: the server's engine cannot be reached here")
+            return
+        if scope.get("method") == "DELETE":
+            running = list(self._in_flight())
+            if running:
+                await engine.abort(running, internal=True)  # the output processor's own ids
+            await _answer(send, 200, {"aborted": len(running)})
             return
         if scope.get("method") != "POST":
             await _answer(send, 200, _engine_facts(engine))

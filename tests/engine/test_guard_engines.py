@@ -5,6 +5,7 @@ install serves the new weights exactly."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -118,3 +119,47 @@ def _forget_probe(engine: Any) -> None:
     handle = attach.get(engine, "handle")
     if handle is not None:
         handle.__dict__.pop("_hotweights_family_probed", None)
+
+
+def test_a_failed_probe_under_keep_aborts_the_requests_that_decoded_during_it(
+    async_engine: Engine, unproven: None
+) -> None:
+    """Under keep, requests in flight decode on the new weights while the probe runs: when the probe then fails,
+    they are aborted (none completes on weights the probe refused) and the old version label is put back."""
+    from vllm import SamplingParams
+
+    e = async_engine
+    e.install(e.a)
+    before = e.engine_version()
+    _forget_probe(e.engine)
+    plant(e.fault, FAULTS["two experts swapped"])
+
+    async def scenario() -> Any:
+        started = asyncio.Event()
+        sp = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True, detokenize=False)
+
+        async def long_request() -> Any:
+            final = None
+            async for out in e.engine.generate({"prompt_token_ids": [3, 5, 7, 11]}, sp, request_id="long-keep"):
+                final = out
+                if len(out.outputs[0].token_ids) >= 2:
+                    started.set()
+            return final
+
+        task = asyncio.create_task(long_request())
+        await asyncio.wait_for(started.wait(), 120)
+        e.version += 1
+        with pytest.raises(FamilyProbeError):
+            await hotweights.install_async(e.engine, e.b.state_dict(), weight_version=e.version, pause="keep")
+        e.version -= 1
+        return await asyncio.wait_for(task, 120)
+
+    try:
+        final = e.loop.run(scenario())
+    finally:
+        plant(e.fault, "")
+    assert final.outputs[0].finish_reason == "abort" and len(final.outputs[0].token_ids) < 400, final.outputs[0]
+    assert e.engine_version() == before
+    healed = e.install(e.b)
+    assert "probed" in (healed.family_check or "")
+    assert e.greedy() == e.b.fresh

@@ -6,10 +6,12 @@ new weights exactly."""
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -92,3 +94,43 @@ def test_an_unproven_family_on_a_server_is_probed_and_a_planted_fault_fails_clos
 
 def _fault_file(server: GuardedServer) -> Path:
     return server.log.parent / "fault"
+
+
+def test_a_failed_probe_under_keep_aborts_the_servers_requests_that_decoded_during_it(
+    engine: RemoteHandle, server: GuardedServer, models: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under keep, a request in flight decodes on the new weights while the server's guard runs the probe; when the
+    probe then fails, the request is aborted, not completed, and the old version label is put back."""
+    monkeypatch.setattr(families, "PROVEN", {})
+    before = engine.get_weight_version()
+    version = int(before) + 1 if before and before.isdigit() else 1
+    engine.__dict__.pop("_hotweights_family_probed", None)
+    answer: dict[str, Any] = {"reasons": []}
+    decoding = threading.Event()
+
+    def long_request() -> None:  # streamed: the install starts once its first tokens came
+        body = {"model": server.model, "prompt": [3, 5, 7, 11], "max_tokens": 500, "temperature": 0.0,
+                "ignore_eos": True, "stream": True}  # fmt: skip
+        with server.client(timeout=120) as client, client.stream("POST", "/v1/completions", json=body) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: {"):
+                    decoding.set()
+                    reason = json.loads(line[6:])["choices"][0].get("finish_reason")
+                    if reason:
+                        answer["reasons"].append(reason)
+        decoding.set()
+
+    thread = threading.Thread(target=long_request)
+    thread.start()
+    assert decoding.wait(60)
+    plant(_fault_file(server), FAULT)
+    try:
+        with pytest.raises(FamilyProbeError):
+            hotweights.install(engine, models["B"].state_dict(), weight_version=version, pause="keep")
+    finally:
+        plant(_fault_file(server), "")
+    assert engine.get_weight_version() == before
+    hotweights.install(engine, models["B"].state_dict(), weight_version=version)  # heals, resumes
+    thread.join(120)
+    assert answer["reasons"] in ([], ["abort"]), answer  # not completed on the weights the probe refused
+    assert server.completions(PROMPTS) == models["hf"]["B"]

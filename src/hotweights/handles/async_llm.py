@@ -284,7 +284,8 @@ class PauseGate:
         with best_effort("abort the requests in flight (fail closed)"):
             running = handle.run(_in_flight(handle.engine), SHORT_TIMEOUT, "requests in flight")
             if running:
-                handle.run(handle.engine.abort(list(running)), SHORT_TIMEOUT, "abort (fail closed)")
+                aborted = handle.engine.abort(list(running), internal=True)  # the output processor's own ids
+                handle.run(aborted, SHORT_TIMEOUT, "abort (fail closed)")
         if self.relabel is not None:
             with best_effort("put the version label back"):
                 handle.run(handle.engine.update_weight_version(self.relabel), SHORT_TIMEOUT, "update_weight_version")

@@ -561,8 +561,10 @@ class RemoteGate:
     def refuse(self, reason: str) -> None:
         self.refusal = reason
         relabel, self.relabel = self.relabel, None
-        if relabel is not None:
+        if relabel is not None:  # requests in flight decoded during the family probe that failed: abort them
             body = {"new_version": relabel}
+            with best_effort("abort the requests in flight (fail closed)"):
+                self.handle._request("DELETE", PROBE_ROUTE, timeout=SHORT_TIMEOUT)
             with best_effort("put the version label back"):
                 self.handle._request("POST", "/update_weight_version", json_body=body, timeout=SHORT_TIMEOUT)
 
