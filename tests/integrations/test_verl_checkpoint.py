@@ -194,6 +194,37 @@ def test_the_contract_without_an_engine() -> None:
         cls(bucket_size=0, transport="nccl")
 
 
+def test_servers_found_as_verl_names_them() -> None:
+    """Without ``urls``, trainer rank 0 finds each replica's server actor by the name verl gives it
+    (vllm_async_server.py:1371) and asks its address (``get_server_address``, :229): here two stand-in actors in a
+    local Ray cluster, the second on IPv6."""
+    import ray
+
+    from hotweights.integrations.verl_checkpoint import verl_server_urls
+
+    class Server:
+        def __init__(self, address: str, port: int) -> None:
+            self.address = (address, port)
+
+        def get_server_address(self) -> tuple[str, int]:
+            return self.address
+
+    from ray.runtime_context import get_runtime_context
+
+    stand_in, ray.get_runtime_context = ray.get_runtime_context, get_runtime_context  # verl_worker_env's, if set
+    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
+    try:
+        actor = ray.remote(num_cpus=0)(Server)
+        servers = [
+            actor.options(name=f"vllm_server_{r}_0").remote(*a) for r, a in enumerate([("10.0.0.5", 8000), ("::1", 9)])
+        ]
+        assert verl_server_urls() == ["http://10.0.0.5:8000", "http://[::1]:9"]
+        del servers
+    finally:
+        ray.shutdown()
+        ray.get_runtime_context = stand_in
+
+
 def test_three_steps_through_verls_checkpoint_engine(server: Server, rollout: Any, fresh: Any) -> None:
     trainer = _trainer(_config(urls=[server.url]))
     version = hotweights.connect(server.url)
