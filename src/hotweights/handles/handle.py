@@ -115,6 +115,7 @@ class EngineHandle(ABC):
             return
         if pause is not None:
             self.check_pause_mode(pause)
+        self.check_alive()  # before the lock: an engine that can no longer serve is refused at once
         lock: threading.Lock = self.shared("_install_lock", threading.Lock)
         if not lock.acquire(timeout=-1 if timeout is None else timeout):
             raise HotWeightsTimeoutError(
@@ -131,6 +132,10 @@ class EngineHandle(ABC):
                 self.pause_mode = "wait"
             self._installing_thread = None
             lock.release()
+
+    def check_alive(self) -> None:  # noqa: B027 - nothing to check where the engine's death cannot be seen
+        """Raise :class:`~hotweights.EngineDiedError` where the engine can no longer serve (checked before an install
+        takes the lock); a no-op where its death cannot be seen from here."""
 
     @property
     @abstractmethod

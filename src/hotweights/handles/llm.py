@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
 from hotweights.core.errors import EngineDiedError
 from hotweights.core.gate import ServingGate
 from hotweights.core.manifest import ExpectedWeights
-from hotweights.handles.handle import EngineHandle, PauseMode
+from hotweights.handles.handle import EngineHandle
 from hotweights.handles.sleep import SleepTracker
 from hotweights.vllm import fixes, introspect, patches, rpc, scoring
 from hotweights.vllm.expected import expected_weights
@@ -45,12 +44,6 @@ class LLMHandle(EngineHandle):
                 f"the engine ({self.describe()}) can no longer serve: {why}. hotweights writes nothing into it, and "
                 "it serves no version; start a new engine (vllm.LLM(...)) and install into that"
             )
-
-    @contextmanager
-    def installing(self, pause: PauseMode | None, timeout: float | None) -> Iterator[None]:
-        self.check_alive()  # before the install lock: a shut-down engine is refused at once
-        with super().installing(pause, timeout):
-            yield
 
     @property
     def num_workers(self) -> int:
