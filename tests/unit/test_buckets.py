@@ -14,6 +14,7 @@ from hotweights.core.buckets import (
     ALIGNMENT,
     Bucket,
     BucketEntry,
+    bucket_problems,
     default_bucket_bytes,
     layer_key,
     pack_into,
@@ -411,3 +412,27 @@ class TestParts:
         for bucket in plan_buckets(m, bucket_bytes=96):
             assert '"rows"' not in bucket.model_dump_json()
             assert Bucket.model_validate_json(bucket.model_dump_json()) == bucket
+
+
+def test_a_bucket_with_a_gap_no_tensor_accounts_for_is_refused_before_anything_is_allocated() -> None:
+    """Found by the RPC fuzzer: five tensors (448 bytes packed) declared into 464 bytes, 112 bytes left between the
+    last two. The bound allowed one alignment of slack beyond the tensors' packing; packed back to back from byte 0
+    a bucket never needs it, so the worker would have allocated bytes no tensor accounts for."""
+    sd = {
+        "a": torch.zeros(8, 4),  # 128 bytes
+        "b": torch.zeros(4, 4),  # 64
+        "c": torch.zeros(6, 4),  # 96 -> 128 aligned
+        "d": torch.zeros(2, dtype=torch.int64),  # 16 -> 64
+        "e": torch.zeros(4),  # 16
+    }
+    manifest = WeightUpdateManifest.from_state_dict(sd, weight_version=1)
+    offsets = {"a": 0, "b": 128, "c": 192, "d": 320, "e": 448}  # "e" would be at 384 packed
+    entries = tuple(BucketEntry(name=n, offset=offsets[n], nbytes=t.nbytes) for n, t in sd.items())
+    gapped = Bucket(index=0, nbytes=464, entries=entries)
+    problems = bucket_problems(gapped, manifest, 464)
+    assert any("more than its tensors packed need (448)" in p for p in problems), problems
+    tight = {**offsets, "e": 384}
+    packed = Bucket(
+        index=0, nbytes=400, entries=tuple(BucketEntry(name=n, offset=o, nbytes=sd[n].nbytes) for n, o in tight.items())
+    )
+    assert bucket_problems(packed, manifest, 400) == []

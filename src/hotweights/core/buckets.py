@@ -286,7 +286,7 @@ def bucket_problems(bucket: Bucket, manifest: WeightUpdateManifest, size: int) -
             problems.append(f"{what} at [{e.offset}, {e.offset + e.nbytes}) is outside the {bucket.nbytes}-byte bucket")
     if end != bucket.nbytes:
         problems.append(f"bucket declares {bucket.nbytes} bytes but its tensors end at byte {end}")
-    packed = sum(_align(e.nbytes) for e in bucket.entries) + ALIGNMENT
+    packed = sum(_align(e.nbytes) for e in bucket.entries)
     if bucket.nbytes > packed:  # gaps between tensors: a bucket claims no bytes beyond its tensors' packing
         problems.append(f"bucket declares {bucket.nbytes} bytes, more than its tensors packed need ({packed})")
     return problems
