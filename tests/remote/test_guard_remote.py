@@ -96,6 +96,7 @@ def _fault_file(server: GuardedServer) -> Path:
     return server.log.parent / "fault"
 
 
+@pytest.mark.slow  # timing: under a loaded make test the request can end before the install pauses the server
 def test_a_failed_probe_under_keep_aborts_the_servers_requests_that_decoded_during_it(
     engine: RemoteHandle, server: GuardedServer, models: dict[str, Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
