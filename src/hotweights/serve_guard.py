@@ -361,7 +361,9 @@ class HotWeightsGuard:
             await _answer(send, 200, _engine_facts(engine))
             return
         try:
-            body = await _body(receive, MAX_PROBE_BODY)
+            body = await _body(receive, MAX_PROBE_BODY, PROBE)
+            if body is None:
+                return
             ids = _probe_ids(body, int(engine.model_config.get_vocab_size()))
             label = _probe_label(body)
         except Refusal as refusal:
@@ -474,22 +476,10 @@ class HotWeightsGuard:
     async def _checked(self, scope: Scope, receive: Receive, send: Send, path: str) -> None:
         """Read the body, check (and maybe rewrite) it, then hand it to the app."""
         assert self.config is not None
-        chunks: list[bytes] = []
-        size = 0
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return
-            chunk = bytes(message.get("body", b""))
-            size += len(chunk)
-            if size > MAX_BODY_BYTES:
-                await _refuse(scope, receive, send, 413, f"hotweights guard: a {path} body over {MAX_BODY_BYTES} bytes")
-                return
-            chunks.append(chunk)
-            if not message.get("more_body", False):
-                break
-        body = b"".join(chunks)
         try:
+            body = await _body(receive, MAX_BODY_BYTES, path)
+            if body is None:
+                return
             checked = check_body(path, body, _caller(scope), self.config)
         except Refusal as refusal:
             logger.warning(
@@ -523,18 +513,18 @@ class Refusal(Exception):
         self.status = status
 
 
-async def _body(receive: Receive, limit: int) -> bytes:
-    """A request's body, at most ``limit`` bytes (else 413)."""
+async def _body(receive: Receive, limit: int, path: str) -> bytes | None:
+    """A request's body, at most ``limit`` bytes (else 413); None when the caller disconnected first."""
     chunks: list[bytes] = []
     size = 0
     while True:
         message = await receive()
         if message["type"] == "http.disconnect":
-            break
+            return None
         chunk = bytes(message.get("body", b""))
         size += len(chunk)
         if size > limit:
-            raise Refusal(413, f"hotweights guard: a body over {limit} bytes")
+            raise Refusal(413, f"hotweights guard: a {path} body over {limit} bytes")
         chunks.append(chunk)
         if not message.get("more_body", False):
             break
