@@ -9,8 +9,6 @@ from __future__ import annotations
 import json
 import os
 import secrets
-import subprocess
-import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,8 +22,7 @@ from hotweights.core import families
 from hotweights.handles.remote import RemoteHandle
 from hotweights.testing import PROMPTS
 from tests.engine.faulty import EXTENSION, FAULT_FILE, plant
-from tests.remote.server import CPU_FLAGS, free_port, serving
-from tests.remote.test_token import GUARD_ENV, GuardedServer
+from tests.remote.test_token import GuardedServer, start_guarded_server
 
 pytestmark = pytest.mark.engine
 
@@ -40,16 +37,10 @@ def server(models: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -> 
     where = tmp_path_factory.mktemp("guard-remote")
     fault = where / "fault"
     plant(fault, "")
-    port = free_port()
-    cmd = [sys.executable, "-m", "hotweights.serve", "--model", str(models["path"]), "--port", str(port)]
-    cmd += [*CPU_FLAGS, "--worker-extension-cls", EXTENSION]  # hotweights' extension, with faults to plant
-    env = {k: v for k, v in os.environ.items() if k not in GUARD_ENV and k != "VLLM_ALLOW_INSECURE_SERIALIZATION"}
-    env.update({"HOTWEIGHTS_TOKEN": token, "VLLM_ENABLE_V1_MULTIPROCESSING": "1", FAULT_FILE: str(fault)})
-    env["PYTHONPATH"] = os.pathsep.join((str(ROOT / "src"), str(ROOT)))  # this checkout's hotweights and tests
-    with (where / "server.log").open("wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    srv = serving(GuardedServer(proc, url, str(models["path"]), where / "server.log", token), "hotweights.serve")
+    path = os.pathsep.join((str(ROOT / "src"), str(ROOT)))  # this checkout's hotweights and tests
+    env = {FAULT_FILE: str(fault), "PYTHONPATH": path}
+    extra = ["--worker-extension-cls", EXTENSION]  # hotweights' extension, with faults to plant
+    srv = start_guarded_server(models["path"], where / "server.log", token, extra, env)
     try:
         yield srv
     finally:

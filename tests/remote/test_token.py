@@ -10,7 +10,7 @@ import os
 import secrets
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -51,12 +51,15 @@ class GuardedServer(Server):
             return answer.json().get("weight_version")
 
 
-def start_guarded_server(model: Path, log: Path, token: str) -> GuardedServer:
-    """``python -m hotweights.serve`` on an ephemeral loopback port, the token in its environment (not its argv)."""
+def start_guarded_server(
+    model: Path, log: Path, token: str, extra: Sequence[str] = (), env_extra: Mapping[str, str] | None = None
+) -> GuardedServer:
+    """``python -m hotweights.serve`` on an ephemeral loopback port, the token in its environment (not its argv);
+    ``extra``: more server flags, ``env_extra``: more of its environment."""
     port = free_port()
-    cmd = [sys.executable, "-m", "hotweights.serve", "--model", str(model), "--port", str(port), *CPU_FLAGS]
+    cmd = [sys.executable, "-m", "hotweights.serve", "--model", str(model), "--port", str(port), *CPU_FLAGS, *extra]
     env = {k: v for k, v in os.environ.items() if k not in GUARD_ENV and k != "VLLM_ALLOW_INSECURE_SERIALIZATION"}
-    env.update({"HOTWEIGHTS_TOKEN": token, "VLLM_ENABLE_V1_MULTIPROCESSING": "1"})
+    env.update({"HOTWEIGHTS_TOKEN": token, "VLLM_ENABLE_V1_MULTIPROCESSING": "1", **(env_extra or {})})
     with log.open("wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     return serving(GuardedServer(proc, f"http://127.0.0.1:{port}", str(model), log, token), "hotweights.serve")
