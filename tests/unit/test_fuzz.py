@@ -718,7 +718,7 @@ def _bucket_verdict(
         hard.append("overlap")
     if end != bucket_nbytes:
         soft.append(f"tensors end at {end}, bucket declares {bucket_nbytes}")
-    packed = sum(-(-e["nbytes"] // ALIGNMENT) * ALIGNMENT for e in entries) + ALIGNMENT
+    packed = sum(-(-e["nbytes"] // ALIGNMENT) * ALIGNMENT for e in entries)
     if bucket_nbytes > packed:  # bytes no tensor accounts for (a receiver would allocate them on the caller's word)
         soft.append(f"bucket declares {bucket_nbytes} bytes, its tensors packed need {packed}")
     return hard, soft
