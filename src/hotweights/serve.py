@@ -34,7 +34,7 @@ import os
 import sys
 from collections.abc import Iterable, Mapping, Sequence
 
-from hotweights.serve_guard import (
+from hotweights.serve_guard.config import (
     DEFAULT_MAX_RPC_TIMEOUT,
     HOSTS_ENV,
     NEW_TOKEN,
