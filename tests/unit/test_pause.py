@@ -73,7 +73,8 @@ def test_a_multiprocess_llms_sends_are_serialised() -> None:
     client = _Client()
     llm = _llm(client)
     assert introspect.engine_kind(llm) == "llm"
-    assert patches.serialize_core_sends(llm) and patches.serialize_core_sends(llm)  # once, idempotent
+    patches.attach_llm(llm, client)
+    patches.attach_llm(llm, client)  # once, idempotent
     _hammer(client)
     assert client.overlaps == 0 and client.sent == 200
     assert os.getpid()  # nothing else to clean up

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from hotweights.handles.sleep import SleepTracker
+from hotweights.vllm.patches import track_sleep
 
 
 class Engine:
@@ -30,7 +30,7 @@ class AsyncEngine:
 
 def test_unknown_until_a_call_is_seen_then_exact() -> None:
     engine = Engine()
-    tracker = SleepTracker(engine, is_async=False)
+    tracker = track_sleep(engine, is_async=False)
     assert tracker.asleep(lambda: True) is True  # unknown: the coarse report decides
     assert tracker.asleep(lambda: False) is False
     engine.sleep(level=0)  # pauses scheduling only
@@ -49,12 +49,12 @@ def test_unknown_until_a_call_is_seen_then_exact() -> None:
 
 def test_wrapping_is_idempotent_and_async_methods_stay_coroutines() -> None:
     engine = Engine()
-    SleepTracker(engine, is_async=False)
+    track_sleep(engine, is_async=False)
     wrapped = engine.sleep
-    SleepTracker(engine, is_async=False)
+    track_sleep(engine, is_async=False)
     assert engine.sleep is wrapped
     aengine = AsyncEngine()
-    tracker = SleepTracker(aengine, is_async=True)
+    tracker = track_sleep(aengine, is_async=True)
     asyncio.run(aengine.sleep(level=1))
     assert tracker.weights_asleep is True
     assert asyncio.run(aengine.wake_up(tags=["weights"])) is True

@@ -21,7 +21,6 @@ from hotweights.core.errors import HotWeightsTimeoutError, PartialUpdateError
 from hotweights.core.manifest import ExpectedWeights
 from hotweights.handles.handle import EngineHandle, PauseMode
 from hotweights.handles.pause import KvEpoch, decoding, recomputed
-from hotweights.handles.sleep import SleepTracker
 from hotweights.telemetry import best_effort
 from hotweights.versions import record_kv
 from hotweights.vllm import introspect, liveness, patches, rpc, scoring
@@ -55,7 +54,7 @@ class AsyncLLMHandle(EngineHandle):
         self.engine = engine
         self.loop: asyncio.AbstractEventLoop | None = None
         self._gate = PauseGate(self)
-        self._sleep = SleepTracker(engine, is_async=True)
+        self._sleep = patches.track_sleep(engine, is_async=True)
         for name in REQUEST_METHODS:
             attach.patch(engine, engine, name, lambda method: _refusing(method, self._gate, self._gate.epoch))
 

@@ -9,7 +9,6 @@ from hotweights.core.errors import EngineDiedError
 from hotweights.core.gate import ServingGate
 from hotweights.core.manifest import ExpectedWeights
 from hotweights.handles.handle import EngineHandle
-from hotweights.handles.sleep import SleepTracker
 from hotweights.vllm import fixes, introspect, patches, rpc, scoring
 from hotweights.vllm.expected import expected_weights
 from hotweights.vllm.liveness import death
@@ -28,11 +27,12 @@ class LLMHandle(EngineHandle):
     def __init__(self, llm: Any) -> None:
         if introspect.engine_kind(llm) != "llm":
             raise TypeError(f"LLMHandle takes a vllm.LLM, not {type(llm).__name__}")
+        client = introspect.llm_engine(llm).engine_core
         self.llm = llm
         self._gate: ServingGate | None = None
-        self._sleep = SleepTracker(llm, is_async=False)
-        patches.serialize_core_sends(llm)  # an install's calls and another thread's generate share one socket
-        patches.watch_core_calls(llm)  # a call into an engine core that died fails within a second, typed
+        # its sleep calls tracked; multiprocess: its core client's sends serialised (an install's calls and another
+        # thread's generate share one socket) and its calls failing typed within a second of the engine core's death
+        self._sleep = patches.attach_llm(llm, client)
 
     def check_alive(self) -> None:
         """Raise :class:`EngineDiedError` where the engine can no longer serve: an in-process engine that was shut

@@ -10,6 +10,7 @@ soon as one has ended. An engine core in this process does not die on its own, b
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import multiprocessing.connection
 import threading
 import time
@@ -18,7 +19,7 @@ from typing import Any, TypeVar
 
 from hotweights.core.errors import EngineDiedError, HotWeightsTimeoutError
 
-__all__ = ["POLL_S", "death", "on_death", "watchable", "watched", "watched_call"]
+__all__ = ["POLL_S", "death", "on_death", "watchable", "watched", "watched_call", "watching"]
 
 T = TypeVar("T")
 
@@ -143,3 +144,17 @@ def watched_call(call: Callable[[], T], engine: Any, timeout: float | None, what
 
     threading.Thread(target=run, name=f"hotweights-call-{what}", daemon=True).start()
     return watched(box.result, engine, timeout, what)
+
+
+def watching(engine: Any) -> Callable[[Callable[..., T]], Callable[..., T]]:
+    """A wrap (for :func:`hotweights.core.attach.patch`) of ``engine``'s core client's ``call_utility``: each call
+    (``is_sleeping``, ``reset_prefix_cache``, ``collective_rpc``, ...) watched as :func:`watched_call` watches one."""
+
+    def wrap(call: Callable[..., T]) -> Callable[..., T]:
+        @functools.wraps(call)
+        def watched(method: str, *args: Any) -> T:
+            return watched_call(lambda: call(method, *args), engine, None, repr(method))
+
+        return watched
+
+    return wrap

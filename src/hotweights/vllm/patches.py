@@ -1,41 +1,132 @@
 """Every patch hotweights makes to a vLLM engine object, each recorded with :func:`hotweights.core.attach.patch` so
-that ``detach`` undoes it: the serving gate around the ``LLM``'s generation methods and its ``add_request``, the
-core client's serialised sends, its calls watched for the engine core's death, and callbacks at its shutdown."""
+that ``detach`` undoes it: the engine's ``sleep``/``wake_up`` tracked, the core client's serialised sends, its calls
+watched for the engine core's death (:func:`attach_llm`: all of these, once, when a ``vllm.LLM``'s handle is made),
+the serving gate around the ``LLM``'s generation methods and its ``add_request``, and callbacks at its shutdown."""
 
 from __future__ import annotations
 
 import functools
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from hotweights.core import attach
 from hotweights.core.gate import ServingGate
 from hotweights.vllm.introspect import has_unfinished_requests, llm_engine
-from hotweights.vllm.liveness import death, on_death, watched_call
+from hotweights.vllm.liveness import death, on_death, watching
 
 __all__ = [
     "GENERATION_METHODS",
+    "SleepTracker",
+    "attach_llm",
     "on_shutdown",
     "release",
-    "serialize_core_sends",
     "serving_gate",
-    "watch_core_calls",
+    "track_sleep",
 ]
 
 _log = logging.getLogger("hotweights")
-_WATCH_LOCK = threading.Lock()
 
 
-def serialize_core_sends(llm: Any) -> bool:
-    """Make the sends of a multiprocess ``LLM``'s core client thread-safe (once per engine): an install's calls
-    (``is_sleeping``, ``collective_rpc``: utility messages) and another thread's ``generate`` (``add_request``)
-    share one zmq socket, and two threads sending on it at once abort the process (``Assertion failed:
-    !_current_out (src/router.cpp:166)``). True when the client's sends are now serialised."""
-    client = llm_engine(llm).engine_core
-    if not callable(getattr(client, "_send_input", None)) or type(client).__name__ == "InprocClient":
-        return False
+class SleepTracker:
+    """Whether an engine's *weights* are asleep, from the ``sleep(level)`` / ``wake_up(tags)`` calls made through it.
+
+    vLLM's client-side ``is_sleeping()`` is coarse: it is also True while only the KV cache sleeps (TRL wakes the
+    weights first, installs, then wakes the KV cache) or while the scheduler is merely paused. So the engine's own
+    ``sleep``/``wake_up`` are wrapped on the instance (:func:`track_sleep`, :func:`attach_llm`) and report here; for a
+    state no call was seen for (the engine slept before hotweights first touched it) the coarse report decides,
+    refusing rather than risking a write (vllm#57853: writing sleeping weights crashes the engine).
+    """
+
+    def __init__(self, *, is_async: bool) -> None:
+        self.is_async = is_async
+        self.weights_asleep: bool | None = None
+        """True/False once a call was seen; None while unknown (the coarse report decides)."""
+
+    def wraps(self) -> dict[str, Callable[[Any], Any]]:
+        """The wraps (for :func:`hotweights.core.attach.patch`) of the engine's ``sleep`` and ``wake_up``."""
+        wrap = _after_async if self.is_async else _after
+        return {"sleep": lambda method: wrap(method, self._slept), "wake_up": lambda method: wrap(method, self._woke)}
+
+    def _slept(self, *args: Any, **kwargs: Any) -> None:
+        level = kwargs.get("level", args[0] if args else 1)
+        if int(level) >= 1:  # level 0 only pauses scheduling
+            self.weights_asleep = True
+
+    def _woke(self, *args: Any, **kwargs: Any) -> None:
+        tags = kwargs.get("tags", args[0] if args else None)
+        if tags is None or _WEIGHTS in tags:
+            self.weights_asleep = False
+
+    def asleep(self, coarse: Callable[[], bool]) -> bool:
+        """Whether the weights sleep: what the tracked calls say, else ``coarse()`` (the engine's own report)."""
+        return self.weights_asleep if self.weights_asleep is not None else coarse()
+
+
+_WEIGHTS = "weights"
+
+
+def _after(method: Callable[..., Any], record: Callable[..., None]) -> Callable[..., Any]:
+    @functools.wraps(method)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        result = method(*args, **kwargs)
+        record(*args, **kwargs)
+        return result
+
+    return call
+
+
+def _after_async(method: Callable[..., Awaitable[Any]], record: Callable[..., None]) -> Callable[..., Any]:
+    @functools.wraps(method)
+    async def call(*args: Any, **kwargs: Any) -> Any:
+        result = await method(*args, **kwargs)
+        record(*args, **kwargs)
+        return result
+
+    return call
+
+
+def track_sleep(engine: Any, *, is_async: bool) -> SleepTracker:
+    """A :class:`SleepTracker` fed by ``engine``'s own ``sleep``/``wake_up`` (wrapped once; an engine without them
+    is left as it is)."""
+    tracker = SleepTracker(is_async=is_async)
+    if callable(getattr(engine, "sleep", None)) and callable(getattr(engine, "wake_up", None)):
+        for name, wrap in tracker.wraps().items():
+            attach.patch(engine, engine, name, wrap)
+    return tracker
+
+
+def attach_llm(llm: Any, client: Any) -> SleepTracker:
+    """Every patch a ``vllm.LLM``'s handle makes from the start, in one pass; ``client`` is its core client
+    (``llm.llm_engine.engine_core``). Returns the tracker of its ``sleep``/``wake_up`` calls.
+
+    On a multiprocess engine, also: the client's sends are serialised (an install's calls, ``is_sleeping`` or
+    ``collective_rpc``, and another thread's ``generate`` share one zmq socket, and two threads sending on it at once
+    abort the process: ``Assertion failed: !_current_out (src/router.cpp:166)``); each of its utility calls
+    (``is_sleeping``, ``reset_prefix_cache``, ``collective_rpc``, ...) fails with :class:`~hotweights.EngineDiedError`
+    within a second of the engine core's death, and so does a ``generate`` waiting for its outputs then: vLLM's own
+    waits would last forever. A second call patches nothing more (it only watches the engine core's death again).
+    """
+    tracker = SleepTracker(is_async=False)
+    wraps: list[tuple[Any, str, Callable[[Any], Any]]] = []
+    if callable(getattr(llm, "sleep", None)) and callable(getattr(llm, "wake_up", None)):
+        wraps += [(llm, name, wrap) for name, wrap in tracker.wraps().items()]
+    remote = type(client).__name__ != "InprocClient"
+    if remote and callable(getattr(client, "_send_input", None)):
+        wraps.append((client, "_send_input", _serialized(client)))
+    ending = _ending_outputs(client)
+    if remote and callable(getattr(client, "call_utility", None)) and getattr(client, "resources", None) is not None:
+        wraps.append((client, "call_utility", watching(llm)))
+        if ending is not None and on_death(llm, ending[0]):
+            wraps.append((client, "get_output", ending[1]))
+    for target, name, wrap in wraps:
+        attach.patch(llm, target, name, wrap)
+    return tracker
+
+
+def _serialized(client: Any) -> Callable[[Any], Any]:
+    """The wrap of a core client's ``_send_input``: one send at a time."""
     lock = threading.Lock()
 
     def wrap(send: Any) -> Any:
@@ -55,46 +146,22 @@ def serialize_core_sends(llm: Any) -> bool:
 
         return locked
 
-    return attach.patch(llm, client, "_send_input", wrap)
+    return wrap
 
 
-def watch_core_calls(llm: Any) -> bool:
-    """Make every utility call of a multiprocess ``LLM``'s core client (``is_sleeping``, ``reset_prefix_cache``,
-    ``collective_rpc``, ...) fail with :class:`~hotweights.EngineDiedError` within a second of the engine core's
-    death (once per engine): vLLM's own call waits on a future that nothing completes once the engine core died.
-    True when the client's calls are watched."""
-
-    client = llm_engine(llm).engine_core
-    call = getattr(client, "call_utility", None)
-    if not callable(call) or type(client).__name__ == "InprocClient" or getattr(client, "resources", None) is None:
-        return False
-
-    def wrap(call: Any) -> Any:
-        @functools.wraps(call)
-        def watched(method: str, *args: Any) -> Any:
-            return watched_call(lambda: call(method, *args), llm, None, repr(method))
-
-        return watched
-
-    with _WATCH_LOCK:
-        if not attach.patched(llm, client, "call_utility"):
-            attach.patch(llm, client, "call_utility", wrap)
-            _end_outputs_on_death(llm, client)
-    return True
-
-
-def _end_outputs_on_death(llm: Any, client: Any) -> None:
-    """Once the engine core dies, hand its output reader vLLM's own ``EngineDeadError``: vLLM's monitor shuts the
-    client down, which stops the thread that fills the outputs queue without a word, so a ``generate`` running then
-    (``get_output``) would wait forever, and every install behind its gate with it."""
+def _ending_outputs(client: Any) -> tuple[Callable[[], None], Callable[[Any], Any]] | None:
+    """``(dead, wrap)``: ``dead()``, to run once the engine core died, hands the client's output reader vLLM's own
+    ``EngineDeadError`` (vLLM's monitor shuts the client down, which stops the thread that fills the outputs queue
+    without a word, so a ``generate`` running then would wait forever in ``get_output``, and every install behind
+    its gate with it); ``wrap`` (of ``get_output``) raises it for every later reader too. None where the client has
+    no outputs queue."""
     outputs = getattr(client, "outputs_queue", None)
     if outputs is None or not callable(getattr(outputs, "put_nowait", None)):
-        return
+        return None
     try:
         from vllm.v1.engine.exceptions import EngineDeadError
     except ImportError:  # pragma: no cover - every supported vLLM has it
-        return
-
+        return None
     died = threading.Event()
 
     def dead() -> None:
@@ -110,8 +177,7 @@ def _end_outputs_on_death(llm: Any, client: Any) -> None:
 
         return get_output
 
-    if on_death(llm, dead):
-        attach.patch(llm, client, "get_output", wrap)
+    return dead, wrap
 
 
 def on_shutdown(llm: Any, callback: Callable[[], object]) -> bool:
