@@ -115,7 +115,7 @@ def _status(worker: Any) -> dict[str, Any]:
         "delta_copy_bytes": base.copy.nbytes if own and base.copy is not None else 0,
         "delta_shared_base": str(base.mapped.path) if base.mapped is not None else "",
         "session": session.update_id or "",
-        "expired": list(session.expired),
+        "expired": list(session.expiry.expired),
         "architecture": str((getattr(config, "architectures", None) or [""])[0]),
         "vllm": vllm_version(),
         "device": device_kind(),

@@ -22,12 +22,10 @@ import dataclasses
 import functools
 import logging
 import threading
-import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Literal, TypeVar, cast
 
 import pydantic
-import torch
 
 from hotweights.core import attach, envelope
 from hotweights.core.delta_wire import DeltaManifest
@@ -40,7 +38,9 @@ from hotweights.core.errors import (
 )
 from hotweights.core.manifest import WeightUpdateManifest
 from hotweights.vllm.worker import kept_base as delta_state
+from hotweights.vllm.worker.expiry import StagingExpiry
 from hotweights.vllm.worker.staging import InstallSession, StagingArea
+from hotweights.vllm.worker.writer import ModelWriter
 
 if TYPE_CHECKING:
     from hotweights.core.manifest import TensorsLike
@@ -125,9 +125,8 @@ class WorkerSession:
         self.prepared: delta_state.Prepared | None = None
         self.base = delta_state.WorkerBase()
         self._lock = threading.RLock()
-        self._expiry: threading.Timer | None = None
-        self.expired: list[str] = []
-        """Updates dropped by their staging expiry (most recent last, at most 16)."""
+        self.expiry = StagingExpiry(self._lock, lambda: self.update_id, self.abort)
+        self.writer = ModelWriter(worker)
 
     # ------------------------------------------------------------------ the protocol
     @_locked
@@ -152,34 +151,8 @@ class WorkerSession:
         opened = self._begin_delta(options, given) if options.delta is not None else self._begin_full(options, given)
         if options.keep_base:
             self.base.tracking = True
-        self._arm(str(opened["update_id"]), options.expires_s)
+        self.expiry.arm(str(opened["update_id"]), options.expires_s)
         return opened
-
-    def _arm(self, update_id: str, seconds: float | None) -> None:
-        """Expire ``update_id``'s staging after ``seconds`` without a commit (none: cancel any expiry)."""
-        if self._expiry is not None:
-            self._expiry.cancel()
-            self._expiry = None
-        if seconds is not None:
-            self._expiry = threading.Timer(seconds, self._expire, (update_id, seconds))
-            self._expiry.daemon = True
-            self._expiry.start()
-
-    def _expire(self, update_id: str, seconds: float) -> None:
-        with self._lock:
-            if self.update_id != update_id:
-                return  # committed or aborted meanwhile
-            self.abort(update_id)
-            self.expired = [*self.expired[-15:], update_id]
-        log.warning(
-            "hotweights: update %s was staged but not committed within %g s: dropped; this worker keeps serving "
-            "what it served",
-            update_id,
-            seconds,
-        )
-        from hotweights.transports.shm_files import sweep_stale
-
-        sweep_stale()  # the bucket files of a trainer that is gone
 
     def _begin_full(self, options: SessionOptions, given: str | WeightUpdateManifest) -> dict[str, Any]:
         chosen: list[Any] = []
@@ -187,7 +160,7 @@ class WorkerSession:
         def choose(manifest: WeightUpdateManifest) -> tuple[Any, str, str]:
             from hotweights.vllm.worker.setter import choose_method
 
-            chosen[:] = choose_method(self._model, manifest.tensors, options.method)
+            chosen[:] = choose_method(self.writer.model, manifest.tensors, options.method)
             return chosen[0], chosen[1], chosen[2]
 
         if options.commit == "atomic" and options.method != "aside":
@@ -265,7 +238,7 @@ class WorkerSession:
         prepared = self.prepared
         assert prepared is not None
         self.options = self.prepared = self.delta = self.update_id = None
-        self._arm(update_id, None)
+        self.expiry.arm(update_id, None)
         from hotweights.vllm.worker.runner import kv_cache_lent
 
         with kv_cache_lent(self.worker, reclaimable=options.kv_reclaimable, lend=False):
@@ -281,7 +254,7 @@ class WorkerSession:
             self.base.served = session.manifest.weight_version
         else:
             self.base.forget()  # from the first write until the install is done, the copy is stale
-            refreshed = self._write(session, prepared.items)
+            refreshed = self.writer.write(session, prepared.items)
             self.base.remember(session.manifest, prepared.items)
         summary: Summary = {
             "tensors": len(session.manifest.tensors),
@@ -292,11 +265,7 @@ class WorkerSession:
             "install_reason": session.method_reason,
         }
         if options.verify:
-            from hotweights.vllm.worker.readback import readback
-
-            start = time.perf_counter()
-            summary.update(readback(self._model(), session, prepared.items))
-            summary["readback_seconds"] = time.perf_counter() - start
+            summary.update(self.writer.read_back(session, prepared.items))
         return summary
 
     @_locked
@@ -307,7 +276,7 @@ class WorkerSession:
             return self.staging.abort(update_id)
         had = self.update_id is not None
         self.options = self.prepared = self.delta = self.update_id = None
-        self._arm("", None)
+        self.expiry.arm("", None)
         return self.staging.abort(update_id) or had
 
     @_locked
@@ -333,11 +302,6 @@ class WorkerSession:
         return self.commit(update_id)
 
     # ------------------------------------------------------------------ helpers
-    def _model(self) -> torch.nn.Module:
-        from hotweights.vllm.worker.ops import worker_model
-
-        return worker_model(self.worker)
-
     def _open(self, update_id: str) -> SessionOptions:
         if self.options is None or self.update_id != update_id:
             raise RuntimeError(f"no open install session {update_id!r} on this worker (open: {self.update_id!r})")
@@ -353,19 +317,6 @@ class WorkerSession:
             return session, ()
         items, session = self.staging.take(update_id)
         return session, items
-
-    def _write(self, session: InstallSession, items: Any) -> int:
-        from hotweights.vllm.worker.ops import after_weights_changed, reload_checkpoint_tensors
-
-        if session.method == "direct":
-            from hotweights.core.cast import lazy_mapping
-            from hotweights.vllm.worker.setter import apply_direct
-
-            assert session.direct_plan is not None
-            refreshed = apply_direct(self._model(), session.direct_plan, lazy_mapping(items))
-            after_weights_changed(self.worker)
-            return refreshed
-        return reload_checkpoint_tensors(self.worker, items)
 
     def _begin_delta(self, options: SessionOptions, wire: str | WeightUpdateManifest) -> dict[str, Any]:
         delta = DeltaManifest.from_json(options.delta or "")
