@@ -90,9 +90,9 @@ def faulty(weights: Iterable[tuple[str, torch.Tensor]], fault: list[str]) -> Ite
 
 class FaultyExtension(HotWeightsWorkerExtension):
     """hotweights' worker extension, and ``faulty_plant`` (``collective_rpc("faulty_plant")``): from then on the
-    model's ``load_weights`` applies the planted fault. Another class name than hotweights' own: installs into this
-    engine take vLLM's weights path (the zero-config path), unless the trainer finds hotweights' extension by asking the
-    workers (a server)."""
+    model's ``load_weights`` applies the planted fault. Another class name than hotweights' own, but a subclass of it:
+    installs into this engine take the install session through the extension, as into one started with hotweights'
+    own."""
 
     def faulty_plant(self) -> None:
         install_faults(self.model_runner.model)  # type: ignore[attr-defined]

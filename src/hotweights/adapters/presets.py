@@ -214,7 +214,7 @@ def VLLMMultiprocessAdapter(
         >>> adapter.install(manifest, model.state_dict())                                # doctest: +SKIP
     """
     handle = as_engine(engine)
-    if handle.worker_extension != introspect.WORKER_EXTENSION:
+    if not handle.has_extension:
         raise EngineNotSupportedError(
             f"this engine ({handle.describe()}) was not started with hotweights' worker extension, which "
             "VLLMMultiprocessAdapter (and with it streaming commits, kept shm segments and the direct setter) "

@@ -69,6 +69,10 @@ class RayEngineHandle(EngineHandle):
         return str(self.info["worker_extension"])
 
     @property
+    def has_extension(self) -> bool:
+        return True  # the actor serves only an engine whose workers carry it (checked by its describe)
+
+    @property
     def weight_transfer_backend(self) -> str:
         return str(self.info.get("weight_transfer_backend", ""))
 

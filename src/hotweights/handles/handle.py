@@ -30,6 +30,7 @@ from hotweights.core.errors import EngineNotSupportedError, HotWeightsTimeoutErr
 from hotweights.core.gate import WriteGate
 from hotweights.core.manifest import ExpectedWeights
 from hotweights.handles.pause import PauseOwner
+from hotweights.vllm import introspect
 from hotweights.vllm.introspect import WORKER_EXTENSION
 from hotweights.vllm.plugin import BACKEND
 
@@ -153,6 +154,25 @@ class EngineHandle(ABC):
         """The ``worker_extension_cls`` the engine was started with (``""`` when none)."""
 
     @property
+    def has_extension(self) -> bool:
+        """Whether the engine's workers carry hotweights' worker extension: started with it, or with a subclass of it
+        (such as verl's), so every ``hotweights_`` method is there. Decided once: by the class, where it can be
+        imported in this process, else by asking the workers."""
+        found: bool = self.shared("_has_extension", self._carries_extension)
+        return found
+
+    def _carries_extension(self) -> bool:
+        known = introspect.extension_class_is_ours(self.worker_extension)
+        if known is not None:
+            return known
+        try:
+            answers = self.call("hotweights_engine", "status", "{}", timeout=PAUSE_CALL_TIMEOUT)
+        except Exception:  # the workers have no such method: no extension
+            log.debug("hotweights: the workers of %r did not answer as hotweights' extension", self.worker_extension)
+            return False
+        return bool(answers) and all(isinstance(a, dict) and a.get("hotweights") == "hotweights" for a in answers)
+
+    @property
     @abstractmethod
     def weight_transfer_backend(self) -> str:
         """The ``weight_transfer_config.backend`` the engine was started with (``""`` when none)."""
@@ -185,7 +205,7 @@ class EngineHandle(ABC):
         """
         if self.inprocess:
             return "inprocess"
-        if self.worker_extension == WORKER_EXTENSION:
+        if self.has_extension:
             return "extension"
         if self.weight_transfer_backend == BACKEND:
             return "weight_transfer"
@@ -242,7 +262,7 @@ class EngineHandle(ABC):
     def worker_status(self) -> dict[str, Any] | None:
         """The extension's ``status`` from the first worker (protocol, weights asleep, pause record), or None where
         there is no extension to ask (or it does not answer, e.g. a server running another hotweights)."""
-        if self.worker_extension != WORKER_EXTENSION:
+        if not self.has_extension:
             return None
         try:
             answers = self.call("hotweights_engine", "status", "{}", timeout=PAUSE_CALL_TIMEOUT)
@@ -254,7 +274,7 @@ class EngineHandle(ABC):
     def _asleep_though_vllm_says_so(self) -> bool:
         """vLLM reports the engine sleeping, which it also does while the scheduler is only paused: the workers'
         own answer where the worker extension can give one, else True (refuse rather than risk a write)."""
-        if self.worker_extension != WORKER_EXTENSION:
+        if not self.has_extension:
             return True
         try:
             answers = self.call("hotweights_engine", "status", "{}", timeout=PAUSE_CALL_TIMEOUT)
@@ -267,7 +287,7 @@ class EngineHandle(ABC):
         """The hotweights install recorded as holding the engine's pause (None: none, or no worker extension to
         keep the record); ``action="claim"`` records ``owner``, ``"release"`` clears it (both return the record
         they replaced)."""
-        if self.worker_extension != WORKER_EXTENSION:
+        if not self.has_extension:
             return None
         try:
             if action == "read":
@@ -284,7 +304,7 @@ class EngineHandle(ABC):
     def clear_kv_cache(self) -> int | None:
         """Zero the KV cache after a failed write (poisoned blocks survive a prefix-cache reset); the number of
         tensors zeroed, or None where the cache cannot be reached (only the worker extension reaches it)."""
-        if self.worker_extension != WORKER_EXTENSION:
+        if not self.has_extension:
             return None
         return sum(int(n) for n in self.call("hotweights_engine", "clear_kv_cache", "{}", timeout=CLEAR_KV_TIMEOUT))
 
@@ -329,7 +349,7 @@ class EngineHandle(ABC):
         (``VLLM_PLUGINS``); None where it cannot be told from here."""
         from hotweights.vllm.fixes import apply_vllm_fixes, vllm_fixes_reach_workers
 
-        if self.worker_extension == WORKER_EXTENSION:
+        if self.has_extension:
             answers = self.call("hotweights_engine", "status", "{}", timeout=PAUSE_CALL_TIMEOUT)
             fixes = answers[0].get("fixes") if answers and isinstance(answers[0], dict) else None
             if isinstance(fixes, list):
@@ -348,7 +368,7 @@ class EngineHandle(ABC):
         if config is not None:
             names = getattr(config, "architectures", None) or [None]
             return names[0], compat.vllm_version(), compat.device_kind()
-        if self.worker_extension == WORKER_EXTENSION:  # an engine that cannot be reached raises here, as it should
+        if self.has_extension:  # an engine that cannot be reached raises here, as it should
             answers = self.call("hotweights_engine", "status", "{}", timeout=PAUSE_CALL_TIMEOUT)
             status = answers[0] if answers and isinstance(answers[0], dict) else {}
             if status.get("architecture"):

@@ -288,7 +288,7 @@ class RemoteHandle(EngineHandle):
         loopback URL that a port-forward or a container carries elsewhere proves nothing). A server without it (or
         whose hotweights predates the proof) counts by its URL: a Unix socket or a loopback address."""
         if self._same_host is None:
-            proved = self._prove_same_host() if self._extension == WORKER_EXTENSION else None
+            proved = self._prove_same_host() if self.has_extension else None
             self._same_host = _loopback(self._host) if proved is None else proved
         return self._same_host
 

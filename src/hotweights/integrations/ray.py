@@ -99,7 +99,7 @@ class _ActorSide:
         from hotweights.vllm.introspect import WORKER_EXTENSION
 
         h = self.handle
-        if h.worker_extension != WORKER_EXTENSION:
+        if not h.has_extension:
             raise HotWeightsError(
                 f"this actor's engine ({h.describe()}) was started without hotweights' worker extension; start it "
                 f"with worker_extension_cls={WORKER_EXTENSION!r}"
