@@ -7,12 +7,15 @@ engine takes several in turn:
 - ``stale <part>``: tensors whose name holds ``<part>`` are not loaded (that layer keeps its old weights; vLLM's
   reload only: the direct setter's plan needs every tensor);
 - ``scale <part> <factor>``: they are loaded multiplied by ``<factor>`` (a norm scaled by 1.01);
-- ``swap <a> <b>``: experts ``a`` and ``b`` are loaded in each other's place (fused 3-D expert tensors: along dim 0).
+- ``swap <a> <b>``: experts ``a`` and ``b`` are loaded in each other's place (fused 3-D expert tensors: along dim 0);
+- ``delay <seconds>``: every forward of the model sleeps that long first (a request that decodes slowly enough to be
+  in flight whenever an install comes), beside one of the above after a ``;``: ``delay 0.05; scale norm 1.01``.
 """
 
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -40,11 +43,23 @@ def set_fault(fault: str) -> None:
     _FAULT = fault.split()
 
 
-def _fault() -> list[str]:
+def _faults() -> list[list[str]]:
     if _FAULT is not None:
-        return _FAULT
+        return [_FAULT]
     name = os.environ.get(FAULT_FILE)
-    return Path(name).read_text().split() if name and Path(name).exists() else []
+    text = Path(name).read_text() if name and Path(name).exists() else ""
+    return [words for part in text.split(";") if (words := part.split())]
+
+
+def _fault() -> list[str]:
+    """The planted fault of the reload (the first that is not a ``delay``)."""
+    return next((f for f in _faults() if f[0] != "delay"), [])
+
+
+def _delay(module: Any, args: Any) -> None:
+    for fault in _faults():
+        if fault[0] == "delay":
+            time.sleep(float(fault[1]))
 
 
 def install_faults(model: Any) -> None:
@@ -58,6 +73,7 @@ def install_faults(model: Any) -> None:
             return load(faulty(weights, _fault()), *a, **k)
 
         model.load_weights, model._faulty = load_weights, True
+        model.register_forward_pre_hook(_delay)
     if not getattr(setter, "_faulty", False):
         apply = setter.apply_direct
 

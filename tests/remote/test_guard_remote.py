@@ -29,6 +29,8 @@ pytestmark = pytest.mark.engine
 ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT = 60.0
 FAULT = "scale layers.0.post_attention_layernorm 1.01"
+#: Every decoding step of the server's model 50 ms slower.
+SLOW = "delay 0.05"
 
 
 @pytest.fixture(scope="module")
@@ -87,7 +89,6 @@ def _fault_file(server: GuardedServer) -> Path:
     return server.log.parent / "fault"
 
 
-@pytest.mark.slow  # timing: under a loaded make test the request can end before the install pauses the server
 def test_a_failed_probe_under_keep_aborts_the_servers_requests_that_decoded_during_it(
     engine: RemoteHandle, server: GuardedServer, models: dict[str, Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -112,10 +113,11 @@ def test_a_failed_probe_under_keep_aborts_the_servers_requests_that_decoded_duri
                         answer["reasons"].append(reason)
         decoding.set()
 
+    plant(_fault_file(server), SLOW)  # 500 tokens take 25 s or more: in flight when the install pauses the server
     thread = threading.Thread(target=long_request)
     thread.start()
     assert decoding.wait(60)
-    plant(_fault_file(server), FAULT)
+    plant(_fault_file(server), f"{SLOW}; {FAULT}")
     try:
         with pytest.raises(FamilyProbeError):
             hotweights.install(engine, models["B"].state_dict(), weight_version=version, pause="keep")
