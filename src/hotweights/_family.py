@@ -48,9 +48,9 @@ def check_mends(handle: EngineHandle) -> None:
     """
     if handle.__dict__.get(_MENDED):
         return
-    config = handle.model_config()
+    config = handle.model.config()
     needed = fixes.vllm_fixes_for(config) if config is not None else ()
-    applied = handle.vllm_fixes() if needed else ()
+    applied = handle.model.vllm_fixes() if needed else ()
     if applied is None:
         return  # cannot be told from here: the engine's own processes apply them (hotweights' vLLM plugin)
     missing = [n for n in needed if n not in applied]
@@ -65,10 +65,10 @@ def check_mends(handle: EngineHandle) -> None:
 
 
 def _identity(handle: EngineHandle) -> tuple[str | None, str, str]:
-    """``handle.family()``, asked once per engine (it does not change while the engine runs)."""
+    """``handle.model.family()``, asked once per engine (it does not change while the engine runs)."""
     known: tuple[str | None, str, str] | None = handle.__dict__.get(_IDENTITY)
     if known is None:
-        known = handle.__dict__[_IDENTITY] = handle.family()
+        known = handle.__dict__[_IDENTITY] = handle.model.family()
     return known
 
 
@@ -112,17 +112,17 @@ def check_family(
     if mode == "trust":
         log.warning("hotweights: %s is not proven on %s; installing unchecked (unproven='trust')", name, where)
         return FamilyCheck(str(arch), f"unproven: {name} on {where}, trusted (unproven='trust'), not checked")
-    config = handle.model_config()
+    config = handle.model.config()
     why = ""
     if mode == "refuse":
         why = "unproven='refuse'"
-    elif config is None or not handle.probes:
+    elif config is None or not handle.model.probes:
         why = (
             f"{handle.describe()} cannot be probed from here: its model config cannot be read (a server probes "
             "through hotweights' guard: start it with `python -m hotweights.serve` or add `--middleware "
             "hotweights.serve_guard.HotWeightsGuard`)"
         )
-    elif handle.scheduler_paused() and not handle.is_sleeping() and handle.gate.refusal is None:
+    elif handle.pausing.scheduler_paused() and not handle.pausing.weights_asleep() and handle.gate.refusal is None:
         # weights asleep: the adapter refuses that first; paused by a failed install (failing closed): this one lifts it
         # the probe generates: on a paused scheduler (vLLM keeps it paused after a partial wake_up, e.g.
         # wake_up(tags=["weights"]) with the KV cache still asleep) its generate never returns (seen: a hang)
@@ -131,7 +131,7 @@ def check_family(
             "KV cache is awake too), so the probe cannot generate; wake the engine fully before its first install"
         )
     else:
-        dtype = handle.engine_dtype()
+        dtype = handle.model.dtype()
 
         def probe() -> ProbeReference:
             log.info(

@@ -159,7 +159,7 @@ def _install_lora(
     timeout: float | None,
     allow_nonfinite: bool = False,
 ) -> InstallReport:
-    max_rank = handle.max_lora_rank()
+    max_rank = handle.lora.max_rank()
     if max_rank is None:
         raise EngineNotSupportedError(
             f"{handle.describe()} was started without LoRA; start it with enable_lora=True and max_lora_rank at "
@@ -224,7 +224,7 @@ def _install_lora(
 
 def _load(handle: EngineHandle, name: str, lora_id: int, directory: Path, slot: _Slot | None) -> None:
     try:
-        handle.add_lora(name, lora_id, str(directory))
+        handle.lora.load(name, lora_id, str(directory))
     except HotWeightsError:
         raise
     except Exception as exc:
@@ -245,7 +245,7 @@ def _retire(handle: EngineHandle, name: str, slot: _Slot | None) -> _Slot | None
         previous[name] = slot
     if retired is not None:
         with best_effort(f"remove LoRA adapter {name!r} v{retired.version} from the engine"):
-            handle.remove_lora(retired.lora_id)
+            handle.lora.unload(retired.lora_id)
     return retired
 
 

@@ -37,6 +37,7 @@ from hotweights.core.errors import EngineNotSupportedError, WeightManifestValida
 from hotweights.core.gate import ServingGate
 from hotweights.core.manifest import ExpectedWeights, TensorSpec, WeightUpdateManifest
 from hotweights.handles import EngineHandle
+from hotweights.handles.workers import NoWorkers
 from hotweights.transports import Descriptor
 from hotweights.vllm.worker.session import SessionOptions
 from hotweights.vllm.worker.staging import StagingArea
@@ -66,6 +67,7 @@ class FakeEngine(EngineHandle):
     kind: ClassVar[str] = "fake"
     pause_modes = ("wait", "abort", "keep")
     guards_family = False
+    workers = NoWorkers("a FakeEngine has no workers to call; its wire is FakeWire")
 
     def __init__(
         self, weights: Mapping[str, torch.Tensor], *, transport: Any = "bytes", bucket_bytes: int | None = None
@@ -100,25 +102,8 @@ class FakeEngine(EngineHandle):
         return "fake"
 
     @property
-    def num_workers(self) -> int:
-        return 1
-
-    @property
-    def worker_extension(self) -> str:
-        return ""
-
-    @property
-    def weight_transfer_backend(self) -> str:
-        return ""
-
-    @property
     def gate(self) -> ServingGate:
         return self._gate
-
-    def call(
-        self, method: str, *args: Any, timeout: float | None = None, kwargs: dict[str, Any] | None = None
-    ) -> list[Any]:
-        raise EngineNotSupportedError(f"a FakeEngine has no workers to call ({method!r}); its wire is FakeWire")
 
     def expected_weights(self) -> ExpectedWeights:
         return ExpectedWeights({n: TensorSpec.of(t) for n, t in self.weights.items()})

@@ -47,7 +47,7 @@ async def main(a: Path, b: Path) -> dict[str, Any]:
     try:
         handle = as_engine(engine)
         handle.bind(asyncio.get_running_loop(), "wait")  # type: ignore[attr-defined]
-        out: dict[str, Any] = {"describe": handle.describe(), "num_workers": handle.num_workers}
+        out: dict[str, Any] = {"describe": handle.describe(), "num_workers": handle.facts.num_workers}
         status = await asyncio.to_thread(handle.call, "hotweights_engine", "status", "{}", timeout=30.0)
         out["status_answers"] = len(status)
         out["start"] = [await greedy(engine, r, "a0") for r in (0, 1)]

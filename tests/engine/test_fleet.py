@@ -60,7 +60,7 @@ class Replicas:
         ]
 
     def status(self, i: int) -> dict[str, Any]:
-        status = self.fleet.engines[i].worker_status()
+        status = self.fleet.engines[i].workers.status()
         assert status is not None
         return status
 

@@ -33,7 +33,7 @@ class EngineHost(EngineActor):
     def status(self) -> dict[str, Any] | None:
         from hotweights.handles import as_engine
 
-        return as_engine(self.llm).worker_status()
+        return as_engine(self.llm).workers.status()
 
     def pid(self) -> int:
         return os.getpid()

@@ -95,7 +95,8 @@ def connect(server: FakeServer, url: str = "http://127.0.0.1:8000", **kwargs: An
 
 def test_connect_reads_world_size_set_up_and_model() -> None:
     engine = connect(FakeServer())
-    assert (engine.kind, engine.num_workers, engine.worker_extension, engine.weight_transfer_backend) == (
+    facts = engine.facts
+    assert (engine.kind, facts.num_workers, facts.worker_extension, facts.weight_transfer_backend) == (
         "remote", 2, EXT, ""
     )  # fmt: skip
     assert engine.served_model == "/nonexistent/model"
@@ -106,13 +107,13 @@ def test_connect_reads_world_size_set_up_and_model() -> None:
 
 def test_backend_set_up_is_detected() -> None:
     engine = connect(FakeServer(extension="", backend=BACKEND))
-    assert (engine.worker_extension, engine.weight_transfer_backend) == ("", BACKEND)
+    assert (engine.facts.worker_extension, engine.facts.weight_transfer_backend) == ("", BACKEND)
 
 
 def test_without_server_info_the_extension_is_probed() -> None:
     server = FakeServer(server_info=False)
     engine = connect(server)
-    assert engine.worker_extension == EXT
+    assert engine.facts.worker_extension == EXT
     assert engine.served_model == "/x/m"
     assert any("/collective_rpc" in p for p in server.paths())
 
@@ -138,7 +139,7 @@ def test_a_server_without_dev_mode_is_refused_naming_the_flags() -> None:
 
 def test_call_posts_collective_rpc_and_returns_one_result_per_worker() -> None:
     engine = connect(FakeServer())
-    results = engine.call("echo", "a", 1, timeout=7.0, kwargs={"k": {"x": [1]}})
+    results = engine.workers.call("echo", "a", 1, timeout=7.0, kwargs={"k": {"x": [1]}})
     assert results[0] == {"method": "echo", "args": ["a", 1], "kwargs": {"k": {"x": [1]}}, "timeout": 7.0}
 
 
@@ -147,13 +148,13 @@ def test_a_reply_without_results_is_an_error_not_a_guess() -> None:
 
     engine = connect(FakeServer())
     with pytest.raises(InstallError, match=r"'answers_nothing' without a list of results"):
-        engine.call("answers_nothing")
+        engine.workers.call("answers_nothing")
 
 
 def test_a_server_error_carries_its_message() -> None:
     engine = connect(FakeServer())
     with pytest.raises(hotweights.InstallError, match=r"HTTP 500.*no attribute 'hotweights_nope'"):
-        engine.call("hotweights_nope", timeout=5.0)
+        engine.workers.call("hotweights_nope", timeout=5.0)
 
 
 def test_bytes_cannot_travel_as_json() -> None:
@@ -161,7 +162,7 @@ def test_bytes_cannot_travel_as_json() -> None:
     engine = connect(server)
     before = len(server.requests)
     with pytest.raises(hotweights.EngineNotSupportedError, match="'shm' transport"):
-        engine.call("hotweights_stage", "id", "{}", {"transport": "bytes", "data": bytearray(4), "nbytes": 4})
+        engine.workers.call("hotweights_stage", "id", "{}", {"transport": "bytes", "data": bytearray(4), "nbytes": 4})
     assert len(server.requests) == before  # refused before any I/O
 
 
@@ -194,7 +195,7 @@ def test_unauthorized_names_the_api_key() -> None:
 )
 def test_same_host_and_default_transport(url: str, same_host: bool, transport: str) -> None:
     engine = connect(FakeServer(), url=url)
-    assert (engine.same_host, engine.default_transport) == (same_host, transport)
+    assert (engine.workers.same_host, engine.workers.default_transport) == (same_host, transport)
 
 
 @pytest.mark.parametrize(
@@ -207,8 +208,8 @@ def test_same_host_and_default_transport(url: str, same_host: bool, transport: s
 )
 def test_same_host_is_what_the_workers_prove_not_what_the_url_says(url: str, sees: str, same_host: bool) -> None:
     engine = connect(FakeServer(sees=sees), url=url)
-    assert engine.same_host is same_host
-    assert engine.default_transport == ("shm" if same_host else "collective")
+    assert engine.workers.same_host is same_host
+    assert engine.workers.default_transport == ("shm" if same_host else "collective")
     assert not list(SHM_DIR.glob("hotweights-proof-*"))  # the proof file is gone
 
 
@@ -223,7 +224,7 @@ def test_versions_prefix_cache_and_sleep_go_to_their_routes() -> None:
     engine = connect(server)
     assert engine.set_weight_version("7") == "7" == engine.get_weight_version()
     assert engine.reset_prefix_cache() is True
-    assert engine.is_sleeping() is False
+    assert engine.pausing.weights_asleep() is False
     assert "POST /reset_prefix_cache?reset_running_requests=false" in server.paths()
 
 
@@ -246,10 +247,12 @@ def test_gate_fails_closed_by_staying_paused_until_reopened() -> None:
     with engine.gate.installing(timeout=5.0):
         engine.gate.refuse("partial update")
     assert server.paused  # nothing is served from a mix of old and new layers
-    assert not engine.is_sleeping()  # vLLM says a paused server sleeps; this one is paused by hotweights itself
+    assert (
+        not engine.pausing.weights_asleep()
+    )  # vLLM says a paused server sleeps; this one is paused by hotweights itself
     # another trainer asks the workers: their weights are awake (a paused scheduler is not sleep), so its install may
     # go on under the pause and take it over (the pause record says a failed install left it)
-    assert not connect(server).is_sleeping()
+    assert not connect(server).pausing.weights_asleep()
     engine.gate.reopen()
     assert not server.paused
     assert engine.gate.refusal is None

@@ -52,7 +52,7 @@ def server(models: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -> 
 @pytest.fixture(scope="module")
 def engine(server: GuardedServer) -> Iterator[RemoteHandle]:
     handle = hotweights.connect(server.url, token=server.token, timeout=TIMEOUT)
-    handle.call("hotweights_engine", "status", "{}", timeout=TIMEOUT)  # plants the faults' hooks (none yet)
+    handle.workers.call("hotweights_engine", "status", "{}", timeout=TIMEOUT)  # plants the faults' hooks (none yet)
     yield handle
     handle.close()
 
@@ -75,12 +75,12 @@ def test_an_unproven_family_on_a_server_is_probed_and_a_planted_fault_fails_clos
         with pytest.raises(FamilyProbeError, match="differed from the reference"):
             hotweights.install(engine, a, weight_version=2)
         assert engine.get_weight_version() == "1"
-        assert engine.scheduler_paused()  # failed closed: left paused until a full install
+        assert engine.pausing.scheduler_paused()  # failed closed: left paused until a full install
     finally:
         plant(_fault_file(server), "")
     healed = hotweights.install(engine, a, weight_version=2)
     assert "probed at v2" in (healed.family_check or ""), healed.family_check
-    assert not engine.scheduler_paused()
+    assert not engine.pausing.scheduler_paused()
     assert engine.get_weight_version() == "2"
     assert server.completions(PROMPTS) == hf["A"]
 

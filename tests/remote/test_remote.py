@@ -61,10 +61,10 @@ def engine(server: Server) -> Iterator[RemoteHandle]:
 
 def test_connect_reads_the_server(engine: RemoteHandle, server: Server, models: dict[str, Any]) -> None:
     assert engine.kind == "remote"
-    assert engine.num_workers == 1
-    assert engine.worker_extension == hotweights.WORKER_EXTENSION
-    assert engine.weight_transfer_backend == ""
-    assert engine.same_host and engine.default_transport == "shm"
+    assert engine.facts.num_workers == 1
+    assert engine.facts.worker_extension == hotweights.WORKER_EXTENSION
+    assert engine.facts.weight_transfer_backend == ""
+    assert engine.workers.same_host and engine.workers.default_transport == "shm"
     assert engine.served_model == str(models["path"])
     expected = engine.expected_weights()
     assert expected is not None and set(expected.tensors) == set(models["A"].state_dict())
@@ -128,7 +128,7 @@ def test_nan_and_inf_are_refused_by_the_server_with_nothing_written(
 
 def test_server_error_carries_its_message(engine: RemoteHandle) -> None:
     with pytest.raises(hotweights.InstallError, match="hotweights_no_such_method"):
-        engine.call("hotweights_no_such_method", timeout=TIMEOUT)
+        engine.workers.call("hotweights_no_such_method", timeout=TIMEOUT)
 
 
 def test_bytes_transport_is_refused(engine: RemoteHandle, models: dict[str, Any]) -> None:
@@ -276,11 +276,11 @@ def test_a_pause_left_by_a_killed_trainer_is_lifted_by_the_next_install(
     takes it over and resumes the server (before: EngineSleepingError, and only a hand-made POST /resume)."""
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     gone = replace(PauseOwner.mine(), pid=int(dead.stdout), started="1")
-    engine.pause_owner("claim", gone)
+    engine.pausing.owner("claim", gone)
     httpx.post(f"{server.url}/pause", params={"mode": "wait"}, trust_env=False).raise_for_status()
     report = hotweights.install(engine, models["B"].state_dict(), weight_version=next_version(engine))
     assert not _paused(server)
-    assert engine.pause_owner() is None  # the record went with the pause
+    assert engine.pausing.owner() is None  # the record went with the pause
     assert report.engine_weight_version == engine.get_weight_version()
     assert server.completions(PROMPTS) == models["hf"]["B"]
 
@@ -314,10 +314,10 @@ def test_a_failed_write_leaves_the_server_paused_until_an_install_heals_it(
         with pytest.raises(hotweights.InstallError, match="KV-cache tensors zeroed"):
             adapter.install(manifest, sd)
         assert _paused(server)
-        owner = engine.pause_owner()
+        owner = engine.pausing.owner()
         assert owner is not None and owner.failed
     report = hotweights.install(engine, models["B"].state_dict(), weight_version=next_version(engine))
-    assert not _paused(server) and engine.pause_owner() is None
+    assert not _paused(server) and engine.pausing.owner() is None
     assert report.engine_weight_version == engine.get_weight_version()
     assert server.completions(PROMPTS) == models["hf"]["B"]
 

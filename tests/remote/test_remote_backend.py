@@ -36,8 +36,8 @@ def engine(server: Server) -> Iterator[RemoteHandle]:
 
 
 def test_backend_install_a_b_a_matches_hf(engine: RemoteHandle, server: Server, models: dict[str, Any]) -> None:
-    assert (engine.worker_extension, engine.weight_transfer_backend) == ("", BACKEND)
-    assert engine.url.startswith("unix://") and engine.same_host and engine.default_transport == "shm"
+    assert (engine.facts.worker_extension, engine.facts.weight_transfer_backend) == ("", BACKEND)
+    assert engine.url.startswith("unix://") and engine.workers.same_host and engine.workers.default_transport == "shm"
     assert server.completions(PROMPTS) == models["hf"]["A"]
     for version, name in ((1, "B"), (2, "A")):
         report = hotweights.install(engine, models[name].state_dict(), weight_version=version)

@@ -130,8 +130,8 @@ def test_requests_without_the_token_get_401(server: GuardedServer) -> None:
 
 def test_connect_with_the_token_installs(server: GuardedServer, models: dict[str, Any], no_env_token: None) -> None:
     with hotweights.connect(server.url, token=server.token, timeout=TIMEOUT) as engine:
-        assert engine.worker_extension == hotweights.WORKER_EXTENSION
-        assert engine.same_host and engine.default_transport == "shm"
+        assert engine.facts.worker_extension == hotweights.WORKER_EXTENSION
+        assert engine.workers.same_host and engine.workers.default_transport == "shm"
         assert server.completions(PROMPTS) == models["hf"]["A"]
         version = next_version(server)
         for offset, name in enumerate(("B", "A")):
@@ -196,5 +196,7 @@ def test_the_guard_bounds_collective_rpc(server: GuardedServer) -> None:
         capped = {"method": "hotweights_engine", "args": ["status", "{}"], "kwargs": {}, "timeout": 1e9}
         assert client.post("/collective_rpc", json=capped).json()["results"][0]["protocol"] == PROTOCOL
     with hotweights.connect(server.url, token=server.token, timeout=TIMEOUT) as engine:
-        assert engine.call("hotweights_engine", "status", "{}")[0]["hotweights"] == "hotweights"  # timeout None: capped
+        assert (
+            engine.workers.call("hotweights_engine", "status", "{}")[0]["hotweights"] == "hotweights"
+        )  # timeout None: capped
     assert server.completions(PROMPTS) == outputs

@@ -13,6 +13,7 @@ from hotweights.adapters import presets
 
 
 def test_a_slow_adapter_build_does_not_block_another_engine(monkeypatch: pytest.MonkeyPatch) -> None:
+    from hotweights.core.facts import EngineFacts
     from hotweights.handles.handle import EngineHandle
 
     started, release = threading.Event(), threading.Event()
@@ -20,7 +21,7 @@ def test_a_slow_adapter_build_does_not_block_another_engine(monkeypatch: pytest.
 
     class Handle(EngineHandle):  # type: ignore[misc]
         kind = "fake"
-        inprocess = True
+        facts = EngineFacts(inprocess=True)
 
         def __init__(self, name: str) -> None:
             self.name = name

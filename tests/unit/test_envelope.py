@@ -31,6 +31,8 @@ from hotweights.core.errors import (
     WeightManifestValidationError,
     WeightVersionUnknownError,
 )
+from hotweights.core.facts import EngineFacts
+from hotweights.handles.workers import Workers
 from hotweights.vllm.worker.extension import HotWeightsWorkerExtension
 from hotweights.vllm.worker.session import SessionOptions
 
@@ -225,14 +227,12 @@ ENGINE_KINDS: dict[str, Callable[[Exception], Exception]] = {
 }
 
 
-class TextEngine:
-    """An engine handle whose one worker runs in this process and whose failures come back as ``kind`` makes
-    them (the exception object, vLLM's RPC text, a server's HTTP 500)."""
-
-    num_workers = 1
-    same_hotweights = True
+class TextWorkers(Workers):
+    """One worker in this process whose failures come back as ``kind`` makes them (the exception object, vLLM's RPC
+    text, a server's HTTP 500)."""
 
     def __init__(self, worker: Any, kind: Callable[[Exception], Exception]) -> None:
+        super().__init__()
         self.worker, self.kind = worker, kind
 
     def call(self, method: str, *args: Any, timeout: float | None = None, kwargs: dict[str, Any] | None = None) -> Any:
@@ -240,6 +240,15 @@ class TextEngine:
             return [getattr(self.worker, method)(*args, **(kwargs or {}))]
         except Exception as exc:
             raise self.kind(exc) from None
+
+
+class TextEngine:
+    """An engine handle whose one worker is a :class:`TextWorkers`."""
+
+    facts = EngineFacts(num_workers=1)
+
+    def __init__(self, worker: Any, kind: Callable[[Exception], Exception]) -> None:
+        self.workers = TextWorkers(worker, kind)
 
 
 def _delta_options(requested: int = 11, base: int = 9) -> SessionOptions:

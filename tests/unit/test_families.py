@@ -127,16 +127,12 @@ def test_an_unproven_family_on_a_paused_scheduler_is_refused_not_probed() -> Non
     Where the weights themselves sleep, the adapter's sleep refusal (the actionable one) comes first."""
     from hotweights import UnprovenFamilyError
     from hotweights._family import check_family
+    from hotweights.handles.parts import Pausing, ServedModel
 
-    class Handle:
+    class Model(ServedModel):
         probes = True
-        guards_family = True
-        gate = ServingGate()  # no install failed here
 
-        def __init__(self, paused: bool, asleep: bool) -> None:
-            self.paused, self.asleep = paused, asleep
-
-        def model_config(self) -> object:
+        def config(self) -> object:
             return tiny_config("qwen2")
 
         def vllm_fixes(self) -> tuple[str, ...] | None:
@@ -145,17 +141,30 @@ def test_an_unproven_family_on_a_paused_scheduler_is_refused_not_probed() -> Non
         def family(self) -> tuple[str, str, str]:
             return "Qwen2ForCausalLM", "0.31.0", "cpu"
 
+        def dtype(self) -> torch.dtype:
+            return torch.float32
+
+    class Paused(Pausing):
+        def __init__(self, paused: bool, asleep: bool) -> None:
+            super().__init__()
+            self.paused, self.asleep = paused, asleep
+
         def scheduler_paused(self) -> bool | None:
             return self.paused
 
-        def is_sleeping(self) -> bool:
+        def weights_asleep(self) -> bool:
             return self.asleep
+
+    class Handle:
+        guards_family = True
+        gate = ServingGate()  # no install failed here
+        model = Model()
+
+        def __init__(self, paused: bool, asleep: bool) -> None:
+            self.pausing = Paused(paused, asleep)
 
         def describe(self) -> str:
             return "vllm.LLM (in-process)"
-
-        def engine_dtype(self) -> torch.dtype:
-            return torch.float32
 
     with pytest.raises(UnprovenFamilyError, match=r"scheduler of vllm\.LLM \(in-process\) is paused.*wake the engine"):
         check_family(Handle(paused=True, asleep=False), [], "probe")  # type: ignore[arg-type]

@@ -15,21 +15,21 @@ from hotweights.adapters import WeightInstallAdapter
 from hotweights.core.families import FamilyCheck
 from hotweights.core.gate import ServingGate
 from hotweights.core.probe import ProbeReference
+from hotweights.handles.parts import Pausing, ServedModel
 from hotweights.testing import build_tiny_model
 
 
-class _Handle:
-    """What check_family asks of an engine: an unproven Qwen2 that can be probed."""
+class _Model(ServedModel):
+    """An unproven Qwen2 that can be probed."""
 
-    kind = "llm"
     probes = True
-    guards_family = True
 
     def __init__(self, config: Any) -> None:
-        self.config = config
+        super().__init__()
+        self._config = config
 
-    def model_config(self) -> Any:
-        return self.config
+    def config(self) -> Any:
+        return self._config
 
     def vllm_fixes(self) -> tuple[str, ...] | None:
         return None
@@ -37,17 +37,22 @@ class _Handle:
     def family(self) -> tuple[str, str, str]:
         return "Qwen2ForCausalLM", "0.33.0", "cpu"
 
-    def scheduler_paused(self) -> bool | None:
-        return False
+    def dtype(self) -> torch.dtype:
+        return torch.float32
 
-    def is_sleeping(self) -> bool:
-        return False
+
+class _Handle:
+    """What check_family asks of an engine: an unproven Qwen2 that can be probed, its scheduler running."""
+
+    kind = "llm"
+    guards_family = True
+
+    def __init__(self, config: Any) -> None:
+        self.model = _Model(config)
+        self.pausing = Pausing()
 
     def describe(self) -> str:
         return "vllm.LLM (in-process)"
-
-    def engine_dtype(self) -> torch.dtype:
-        return torch.float32
 
 
 class _Scored(WeightInstallAdapter):

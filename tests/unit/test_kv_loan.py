@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import hotweights
+from hotweights.core.facts import EngineFacts
 from hotweights.fake import FakeEngine, FakeWire
 from hotweights.vllm.worker.runner import kv_cache_lent
 
@@ -50,7 +51,7 @@ def test_nothing_is_marked_otherwise(worker: Worker, reclaimable: bool) -> None:
 
 
 class ExtensibleFake(FakeEngine):
-    extensible_kv_cache = True
+    facts = EngineFacts(extensible_kv_cache=True)
 
 
 @pytest.mark.parametrize(

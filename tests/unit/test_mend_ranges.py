@@ -9,6 +9,7 @@ from packaging.specifiers import SpecifierSet
 
 from hotweights import EngineNotSupportedError
 from hotweights._family import check_mends
+from hotweights.handles.parts import ServedModel
 from hotweights.testing import tiny_config
 from hotweights.vllm import compat, fixes
 from tools.vllm_contract import CONTRACT
@@ -35,15 +36,21 @@ def _moe_tied() -> object:
     return tiny_config("qwen3_moe", tie=True)  # needs moe-cpu-prepack and tied-lm-head where vLLM has the defects
 
 
-class _Handle:
+class _Model(ServedModel):
     def __init__(self, applied: tuple[str, ...]) -> None:
+        super().__init__()
         self.applied = applied
 
-    def model_config(self) -> object:
+    def config(self) -> object:
         return _moe_tied()
 
     def vllm_fixes(self) -> tuple[str, ...]:
         return self.applied
+
+
+class _Handle:
+    def __init__(self, applied: tuple[str, ...]) -> None:
+        self.model = _Model(applied)
 
 
 def test_every_mend_says_which_vllm_versions_need_it() -> None:

@@ -608,7 +608,7 @@ class Bridge(httpx.BaseTransport):
 def test_connect_sends_the_token_on_every_request(fake: FakeVLLM, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("HOTWEIGHTS_TOKEN", raising=False)
     with hotweights.connect("https://server:8000", token=TOKEN, transport=Bridge(guarded(fake))) as engine:
-        assert engine.call(serve_guard.ENGINE_OP, "status", "{}") == [STATUS_ANSWER]
+        assert engine.workers.call(serve_guard.ENGINE_OP, "status", "{}") == [STATUS_ANSWER]
     assert len(fake.calls) >= 3  # world size, server info, the call
     assert all(h["x-hotweights-token"] == TOKEN and "authorization" not in h for *_, h in fake.calls)
 
@@ -616,7 +616,7 @@ def test_connect_sends_the_token_on_every_request(fake: FakeVLLM, monkeypatch: p
 def test_connect_reads_hotweights_token(fake: FakeVLLM, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HOTWEIGHTS_TOKEN", TOKEN)
     with hotweights.connect("http://127.0.0.1:8000", api_key="key", transport=Bridge(guarded(fake))) as engine:
-        assert engine.num_workers == 1
+        assert engine.facts.num_workers == 1
     assert all(h["x-hotweights-token"] == TOKEN and h["authorization"] == "Bearer key" for *_, h in fake.calls)
 
 
@@ -637,7 +637,7 @@ def test_a_token_never_crosses_plain_http_to_another_host(fake: FakeVLLM, url: s
         hotweights.connect(url, token=TOKEN, transport=Bridge(guarded(fake)))
     assert fake.calls == []
     with hotweights.connect(url, token=TOKEN, insecure_token=True, transport=Bridge(guarded(fake))) as engine:
-        assert engine.num_workers == 1
+        assert engine.facts.num_workers == 1
 
 
 @pytest.mark.parametrize("method", ["save_sharded_state", "execute_model", "check_health", "sleep", "", "x" * 500])

@@ -78,18 +78,24 @@ def test_the_moe_packing_is_found_where_this_vllm_keeps_it() -> None:
 def test_a_needed_mend_that_is_not_in_place_refuses_before_writing() -> None:
     from hotweights import EngineNotSupportedError
     from hotweights._family import check_mends
+    from hotweights.handles.parts import ServedModel
     from hotweights.testing import tiny_config
 
-    class Handle:
+    class Model(ServedModel):
         def __init__(self, applied: tuple[str, ...] | None) -> None:
+            super().__init__()
             self.applied = applied
-            self.__dict__["_hotweights_mends_checked"] = False
 
-        def model_config(self) -> object:
+        def config(self) -> object:
             return tiny_config("qwen3_moe", tie=True)
 
         def vllm_fixes(self) -> tuple[str, ...] | None:
             return self.applied
+
+    class Handle:
+        def __init__(self, applied: tuple[str, ...] | None) -> None:
+            self.model = Model(applied)
+            self.__dict__["_hotweights_mends_checked"] = False
 
     with pytest.raises(EngineNotSupportedError, match=r"moe-cpu-prepack.*tied-lm-head.*VLLM_PLUGINS"):
         check_mends(Handle(()))  # type: ignore[arg-type]

@@ -32,7 +32,9 @@ def validate(
     """``items`` checked against ``manifest`` and ``manifest`` against the engine, all before any write: what to
     send (tensors the engine ignores left out) and what was skipped, with why."""
     engine = adapter.engine
-    if engine is not None and engine.is_sleeping():  # its weights may be offloaded or discarded: writing crashes it
+    if (
+        engine is not None and engine.pausing.weights_asleep()
+    ):  # its weights may be offloaded or discarded: writing crashes it
         raise EngineSleepingError(
             f"the engine ({engine.describe()}) is asleep, so its weights cannot be written; nothing was "
             "written. Wake it first (llm.wake_up(), or `await engine.wake_up()` for an AsyncLLM; waking only "

@@ -216,7 +216,7 @@ class WeightInstallAdapter(PathTraits, ABC):
         """
         if self.engine is None:
             return "the KV cache was left as is"
-        zeroed = self.engine.clear_kv_cache()
+        zeroed = self.engine.workers.clear_kv_cache()
         self.engine.reset_prefix_cache()
         if zeroed is None:
             return "the prefix cache was reset (the KV cache cannot be reached from here)"
@@ -236,9 +236,10 @@ class WeightInstallAdapter(PathTraits, ABC):
         return self.engine.get_weight_version() if self.engine is not None else None
 
     def _probe_logprobs(self, token_ids: tuple[int, ...], label: str) -> list[float | None] | None:
-        """The engine's prompt log-probabilities of ``token_ids`` (see :meth:`EngineHandle.prompt_logprobs`; ``label``:
-        the version being installed); None where this adapter cannot ask."""
-        return self.engine.prompt_logprobs(token_ids, label) if self.engine is not None else None
+        """The engine's prompt log-probabilities of ``token_ids`` (see
+        :meth:`~hotweights.handles.parts.ServedModel.prompt_logprobs`; ``label``: the version being installed); None
+        where this adapter cannot ask."""
+        return self.engine.model.prompt_logprobs(token_ids, label) if self.engine is not None else None
 
     # ------------------------------------------------------------------ the caller's controls
     def forget_delta_base(self) -> None:

@@ -125,7 +125,7 @@ class Installer(WeightInstallAdapter):
     # ------------------------------------------------------------------ EngineLink (for the transport)
     @property
     def num_workers(self) -> int:
-        return self.engine.num_workers
+        return self.engine.facts.num_workers
 
     @property
     def releases_buckets_after_stage(self) -> bool:

@@ -154,7 +154,7 @@ def _in_this_process(
 ) -> Installer:
     """The installer of an in-process ``vllm.LLM``: its worker called directly, the tensors by reference."""
     handle = as_engine(engine)
-    if not isinstance(handle, LLMHandle) or not handle.inprocess:
+    if not isinstance(handle, LLMHandle) or not handle.facts.inprocess:
         raise EngineNotSupportedError(
             "this vllm.LLM runs its engine in other processes; the in-process adapters hand tensors over by "
             "reference and cannot reach them. Start the engine with VLLM_ENABLE_V1_MULTIPROCESSING=0, or use "
@@ -214,14 +214,14 @@ def VLLMMultiprocessAdapter(
         >>> adapter.install(manifest, model.state_dict())                                # doctest: +SKIP
     """
     handle = as_engine(engine)
-    if not handle.has_extension:
+    if not handle.workers.extension:
         raise EngineNotSupportedError(
             f"this engine ({handle.describe()}) was not started with hotweights' worker extension, which "
             "VLLMMultiprocessAdapter (and with it streaming commits, kept shm segments and the direct setter) "
             f"needs; start it with worker_extension_cls={introspect.WORKER_EXTENSION!r}"
             + (
                 " (it runs in this process: VLLMInProcessAdapter needs no extension)"
-                if handle.inprocess
+                if handle.facts.inprocess
                 else ", or use hotweights.install(engine, ...), which reaches it without the extension"
             )
         )
@@ -251,7 +251,7 @@ def VLLMWeightTransferAdapter(
         >>> adapter.install(manifest, model.state_dict())                                     # doctest: +SKIP
     """
     handle = as_engine(engine)
-    backend = handle.weight_transfer_backend
+    backend = handle.facts.weight_transfer_backend
     if backend != BACKEND:
         raise EngineNotSupportedError(
             f"this engine's weight transfer backend is {backend or 'not configured'!r}; start it with "
@@ -302,12 +302,12 @@ def inprocess(handle: EngineHandle) -> Installer:
 
 def extension(handle: EngineHandle) -> Installer:
     """The route ``extension``: the worker extension, over the engine's default transport."""
-    return VLLMMultiprocessAdapter(handle, transport=handle.default_transport)
+    return VLLMMultiprocessAdapter(handle, transport=handle.workers.default_transport)
 
 
 def weight_transfer(handle: EngineHandle) -> Installer:
     """The route ``weight_transfer``: vLLM's weight-transfer API, over the engine's default transport."""
-    return VLLMWeightTransferAdapter(handle, transport=handle.default_transport)
+    return VLLMWeightTransferAdapter(handle, transport=handle.workers.default_transport)
 
 
 def weights_path(handle: EngineHandle) -> Installer:

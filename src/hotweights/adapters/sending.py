@@ -64,7 +64,7 @@ def session_options(installer: Any, timer: InstallCall, **more: Any) -> SessionO
         commit=installer.options.commit,
         verify=timer.verify,
         expires_s=timer.member.expires_s if timer.member is not None else None,
-        kv_reclaimable=engine.extensible_kv_cache and engine.pause_mode != "keep",
+        kv_reclaimable=engine.facts.extensible_kv_cache and engine.pause_mode != "keep",
         allow_nonfinite=timer.allow_nonfinite,
         **more,
     )

@@ -113,7 +113,7 @@ class SessionPath(BarePath):
     def shares_base(self) -> bool:
         """Whether the workers map the trainer's copy from this host's shared memory instead of keeping their own
         (one copy per host: :mod:`hotweights.transports.shm_base`)."""
-        return not self.installer.transport.by_reference and self.installer.engine.same_host
+        return not self.installer.transport.by_reference and self.installer.engine.workers.same_host
 
     def capture_base(self, items: Items, version: int) -> DeltaBase:
         if self.shares_base:

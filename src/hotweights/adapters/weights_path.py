@@ -68,7 +68,7 @@ class WeightsPath(BarePath):
             )  # inside a fleet: every replica's checkpoint written before any reloads
             installer._begin_writing(timer)
             with timer("install"):
-                installer.engine.call(
+                installer.engine.workers.call(
                     "reload_weights",
                     timeout=self.rpc_timeout,
                     kwargs={"weights_path": str(directory), "is_checkpoint_format": True},
@@ -83,7 +83,7 @@ class WeightsPath(BarePath):
         engine = self.installer.engine
         if engine.kind not in ("llm", "async_llm") or fixes.vllm_fixes_reach_workers():
             return
-        needed = fixes.vllm_fixes_for(engine.model_config())  # only those this vLLM needs
+        needed = fixes.vllm_fixes_for(engine.model.config())  # only those this vLLM needs
         if needed:
             why = "; ".join(fixes.VLLM_FIXES[n].why for n in needed)
             raise EngineNotSupportedError(

@@ -93,7 +93,7 @@ class _RPCWire:
         place the trainer decodes what crosses from an engine: :func:`hotweights.core.envelope.decode`), chained
         to what the engine handle raised; an error that carries no envelope is raised as it is."""
         try:
-            return self.engine.call(method, *args, timeout=self.timeout, kwargs=kwargs)
+            return self.engine.workers.call(method, *args, timeout=self.timeout, kwargs=kwargs)
         except Exception as exc:
             typed = envelope.decode(exc)
             if typed is None:
@@ -121,9 +121,9 @@ class ExtensionWire(_RPCWire):
 
     def __init__(self, engine: EngineHandle, timeout: float | None) -> None:
         super().__init__(engine, timeout)
-        self.one_call = engine.num_workers == 1 and engine.same_hotweights
-        if not engine.same_hotweights:  # a server may run another hotweights: it must speak this protocol
-            status = engine.worker_status()
+        self.one_call = engine.facts.num_workers == 1 and engine.workers.same_hotweights
+        if not engine.workers.same_hotweights:  # a server may run another hotweights: it must speak this protocol
+            status = engine.workers.status()
             spoken = status.get("protocol") if status else None
             if spoken != PROTOCOL:
                 raise EngineNotSupportedError(
@@ -146,7 +146,7 @@ class ExtensionWire(_RPCWire):
         return self.call("hotweights_commit", update_id)
 
     def abort(self, update_id: str) -> None:
-        self.engine.call("hotweights_abort", update_id, timeout=30.0)
+        self.engine.workers.call("hotweights_abort", update_id, timeout=30.0)
 
     def install(self, options: SessionOptions, manifest: WeightUpdateManifest, payload: Any) -> Answers:
         bucket_json, descriptor = payload
@@ -187,10 +187,10 @@ class TransferAPIWire(_RPCWire):
         return []  # vLLM's call returns nothing
 
     def abort(self, update_id: str) -> None:
-        self.engine.call(
+        self.engine.workers.call(
             "update_weights", timeout=30.0, kwargs={"update_info": {"update_id": update_id, "abort": True}}
         )
-        self.engine.call("finish_weight_update", timeout=30.0)
+        self.engine.workers.call("finish_weight_update", timeout=30.0)
 
     def engine_op(self, op: str, **args: Any) -> Answers:
         if op == "join_group":

@@ -13,9 +13,14 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, ClassVar
 
+import torch
+
 from hotweights.core.errors import HotWeightsTimeoutError
+from hotweights.core.facts import EngineFacts
 from hotweights.core.manifest import ExpectedWeights, TensorSpec
 from hotweights.handles.handle import EngineHandle, PauseMode
+from hotweights.handles.parts import Pausing, ServedModel
+from hotweights.handles.workers import Workers
 
 __all__ = ["RayEngineHandle"]
 
@@ -35,18 +40,26 @@ class RayEngineHandle(EngineHandle):
 
     kind: ClassVar[str] = "ray"
     pause_modes: ClassVar[tuple[PauseMode, ...]] = ("wait",)
-    probes: ClassVar[bool] = True
 
     def __init__(self, actor: Any, *, timeout: float = SHORT_TIMEOUT) -> None:
         self.actor = actor
         self.timeout = timeout
-        info = self._run("describe", timeout=timeout)
+        info = self.run("describe", timeout=timeout)
         if not isinstance(info, dict) or info.get("hotweights") != "hotweights":
             raise TypeError(f"{actor!r} is not a hotweights EngineActor (its describe answered {info!r})")
         self.info: dict[str, Any] = info
         self._gate = RayGate(self)
+        extension = str(info["worker_extension"])
+        backend = str(info.get("weight_transfer_backend", ""))
+        self.facts = EngineFacts(
+            num_workers=int(info["num_workers"]), worker_extension=extension, weight_transfer_backend=backend
+        )
+        self.workers = RayWorkers(self)
+        self.pausing = RayPausing(self)
+        self.model = RayModel(self)
 
-    def _run(self, op: str, *args: Any, timeout: float | None = None) -> Any:
+    def run(self, op: str, *args: Any, timeout: float | None = None) -> Any:
+        """The actor's answer to ``op`` (its ``hotweights_handle``), within ``timeout`` seconds."""
         import ray
         from ray.exceptions import GetTimeoutError
 
@@ -59,40 +72,6 @@ class RayEngineHandle(EngineHandle):
                 f"the engine actor did not finish {op!r} within {timeout} s; check the actor is alive (a threaded "
                 "actor, max_concurrency >= 2, serves installs while it generates)"
             ) from exc
-
-    @property
-    def num_workers(self) -> int:
-        return int(self.info["num_workers"])
-
-    @property
-    def worker_extension(self) -> str:
-        return str(self.info["worker_extension"])
-
-    @property
-    def has_extension(self) -> bool:
-        return True  # the actor serves only an engine whose workers carry it (checked by its describe)
-
-    @property
-    def weight_transfer_backend(self) -> str:
-        return str(self.info.get("weight_transfer_backend", ""))
-
-    @property
-    def same_host(self) -> bool:
-        return False  # the actor's process maps its own host's memory: buckets go through the object store
-
-    @property
-    def same_hotweights(self) -> bool:
-        return False  # the actor may run another hotweights: the protocol is checked
-
-    @property
-    def default_transport(self) -> str:
-        return "ray"
-
-    def call(
-        self, method: str, *args: Any, timeout: float | None = None, kwargs: dict[str, Any] | None = None
-    ) -> list[Any]:
-        wait = None if timeout is None else timeout + 5.0  # the actor's own timeout fires first
-        return list(self._run("call", method, list(args), kwargs, timeout, timeout=wait))
 
     def expected_weights(self) -> ExpectedWeights | None:
         text = self.info.get("expected")
@@ -112,22 +91,75 @@ class RayEngineHandle(EngineHandle):
         return self._gate
 
     def reset_prefix_cache(self) -> bool:
-        return bool(self._run("reset_prefix_cache", timeout=self.timeout))
+        return bool(self.run("reset_prefix_cache", timeout=self.timeout))
 
     def set_weight_version(self, version: str) -> str | None:
-        answer = self._run("set_weight_version", version, timeout=self.timeout)
+        answer = self.run("set_weight_version", version, timeout=self.timeout)
         return None if answer is None else str(answer)
 
     def get_weight_version(self) -> str | None:
-        answer = self._run("get_weight_version", timeout=self.timeout)
+        answer = self.run("get_weight_version", timeout=self.timeout)
         return None if answer is None else str(answer)
 
-    def is_sleeping(self) -> bool:
-        return bool(self._run("is_sleeping", timeout=self.timeout))
+    def describe(self) -> str:
+        node = str(self.info.get("node", "?"))[:8]
+        return f"Ray actor {self.info.get('actor', '?')} on node {node} ({self.info.get('engine')})"
+
+
+class RayWorkers(Workers):
+    """The workers of an actor's engine, called through the actor; they carry hotweights' extension (the actor
+    serves no other engine), may run another hotweights, and map their own host's memory: buckets go through the
+    object store."""
+
+    def __init__(self, handle: RayEngineHandle) -> None:
+        super().__init__(handle.facts.worker_extension)
+        self.handle = handle
+        self._extension = True
+
+    def call(
+        self, method: str, *args: Any, timeout: float | None = None, kwargs: dict[str, Any] | None = None
+    ) -> list[Any]:
+        wait = None if timeout is None else timeout + 5.0  # the actor's own timeout fires first
+        return list(self.handle.run("call", method, list(args), kwargs, timeout, timeout=wait))
+
+    @property
+    def same_host(self) -> bool:
+        return False
+
+    @property
+    def same_hotweights(self) -> bool:
+        return False
+
+    @property
+    def default_transport(self) -> str:
+        return "ray"
 
     def clear_kv_cache(self) -> int | None:
-        answer = self._run("clear_kv_cache", timeout=self.timeout)
+        answer = self.handle.run("clear_kv_cache", timeout=self.handle.timeout)
         return None if answer is None else int(answer)
+
+
+class RayPausing(Pausing):
+    """Whether the actor's engine sleeps, as the actor's own handle says."""
+
+    def __init__(self, handle: RayEngineHandle) -> None:
+        super().__init__(handle.workers)
+        self.handle = handle
+
+    def weights_asleep(self) -> bool:
+        return bool(self.handle.run("is_sleeping", timeout=self.handle.timeout))
+
+
+class RayModel(ServedModel):
+    """The actor's model: config, dtype and family as its describe sent them, scored by the actor inside the
+    install's hold of the gate."""
+
+    probes = True
+
+    def __init__(self, handle: RayEngineHandle) -> None:
+        super().__init__(handle.workers, handle.expected_weights)
+        self.info = handle.info
+        self.handle = handle
 
     def family(self) -> tuple[str | None, str, str]:
         found = self.info.get("family")
@@ -135,7 +167,7 @@ class RayEngineHandle(EngineHandle):
             return (None if found[0] is None else str(found[0])), str(found[1]), str(found[2])
         return super().family()
 
-    def model_config(self) -> Any:
+    def config(self) -> Any:
         """The actor engine's transformers config (sent as JSON by the actor), for the family probe's reference."""
         text = self.info.get("config")
         if not text:
@@ -144,19 +176,13 @@ class RayEngineHandle(EngineHandle):
 
         return config_from_json(str(text))
 
-    def engine_dtype(self) -> Any:
-        import torch
-
+    def dtype(self) -> torch.dtype:
         dtype = getattr(torch, str(self.info.get("dtype") or "float32"), None)
         return dtype if isinstance(dtype, torch.dtype) else torch.float32
 
     def prompt_logprobs(self, token_ids: Sequence[int], label: str | None = None) -> list[float | None] | None:
-        answer = self._run("prompt_logprobs", [int(t) for t in token_ids], timeout=PROBE_TIMEOUT)
+        answer = self.handle.run("prompt_logprobs", [int(t) for t in token_ids], timeout=PROBE_TIMEOUT)
         return None if answer is None else [None if a is None else float(a) for a in answer]
-
-    def describe(self) -> str:
-        node = str(self.info.get("node", "?"))[:8]
-        return f"Ray actor {self.info.get('actor', '?')} on node {node} ({self.info.get('engine')})"
 
 
 class RayGate:
@@ -170,16 +196,16 @@ class RayGate:
 
     @contextmanager
     def installing(self, timeout: float | None = None) -> Iterator[float]:
-        waited = float(self.handle._run("gate_enter", timeout, timeout=None if timeout is None else timeout + 5.0))
+        waited = float(self.handle.run("gate_enter", timeout, timeout=None if timeout is None else timeout + 5.0))
         try:
             yield waited
         finally:
-            self.handle._run("gate_exit", timeout=self.handle.timeout)
+            self.handle.run("gate_exit", timeout=self.handle.timeout)
 
     def refuse(self, reason: str) -> None:
         self.refusal = reason
-        self.handle._run("gate_refuse", reason, timeout=self.handle.timeout)
+        self.handle.run("gate_refuse", reason, timeout=self.handle.timeout)
 
     def reopen(self) -> None:
         self.refusal = None
-        self.handle._run("gate_reopen", timeout=self.handle.timeout)
+        self.handle.run("gate_reopen", timeout=self.handle.timeout)

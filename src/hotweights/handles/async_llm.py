@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import time
-from collections.abc import AsyncIterator, Callable, Coroutine, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from contextlib import contextmanager
 from typing import Any, ClassVar, TypeVar
 
@@ -20,10 +20,11 @@ from hotweights.core import attach
 from hotweights.core.errors import HotWeightsTimeoutError, PartialUpdateError
 from hotweights.core.manifest import ExpectedWeights
 from hotweights.handles.handle import EngineHandle, PauseMode
+from hotweights.handles.local import AsyncModel, AsyncPausing, AsyncWorkers, LocalLora
 from hotweights.handles.pause import KvEpoch, decoding, recomputed
 from hotweights.telemetry import best_effort
 from hotweights.versions import record_kv
-from hotweights.vllm import introspect, liveness, patches, rpc, scoring
+from hotweights.vllm import introspect, liveness, patches
 from hotweights.vllm.expected import expected_weights
 
 __all__ = ["PAUSE_MODES", "AsyncLLMHandle", "PauseGate"]
@@ -37,8 +38,6 @@ REQUEST_METHODS = ("generate", "encode")
 SHORT_TIMEOUT = 60.0
 #: Seconds a ``recompute`` install waits for the requests it preempted to be prefilled again on the new weights.
 RECOMPUTE_TIMEOUT = 120.0
-#: Seconds the family probe's one short request may take.
-PROBE_TIMEOUT = 120.0
 
 
 class AsyncLLMHandle(EngineHandle):
@@ -46,17 +45,21 @@ class AsyncLLMHandle(EngineHandle):
 
     kind: ClassVar[str] = "async_llm"
     pause_modes: ClassVar[tuple[PauseMode, ...]] = PAUSE_MODES
-    probes: ClassVar[bool] = True
 
     def __init__(self, engine: Any) -> None:
         if introspect.engine_kind(engine) != "async_llm":
             raise TypeError(f"AsyncLLMHandle takes a vLLM AsyncLLM, not {type(engine).__name__}")
+        self.facts = facts = introspect.engine_facts(engine)
         self.engine = engine
         self.loop: asyncio.AbstractEventLoop | None = None
         self._gate = PauseGate(self)
-        self._sleep = patches.track_sleep(engine, is_async=True)
+        tracker = patches.track_sleep(engine, is_async=True)
         for name in REQUEST_METHODS:
             attach.patch(engine, engine, name, lambda method: _refusing(method, self._gate, self._gate.epoch))
+        self.workers = workers = AsyncWorkers(engine, facts.worker_extension, self.run)
+        self.pausing = AsyncPausing(engine, workers, tracker, self.run)
+        self.lora = LocalLora(engine, self.run)
+        self.model = AsyncModel(self)
 
     def bind(self, loop: asyncio.AbstractEventLoop, pause: PauseMode) -> None:
         """Drive the engine through ``loop`` (the one it runs on); ValueError for a ``pause`` it cannot honour."""
@@ -84,25 +87,6 @@ class AsyncLLMHandle(EngineHandle):
                 f"the AsyncLLM did not finish {what} within {timeout} s; check the engine is alive and its loop is "
                 "not blocked, or raise the timeout"
             ) from exc
-
-    @property
-    def num_workers(self) -> int:
-        return introspect.num_workers(self.engine)
-
-    @property
-    def worker_extension(self) -> str:
-        return introspect.worker_extension(self.engine)
-
-    @property
-    def weight_transfer_backend(self) -> str:
-        return introspect.weight_transfer_backend(self.engine)
-
-    def call(
-        self, method: str, *args: Any, timeout: float | None = None, kwargs: dict[str, Any] | None = None
-    ) -> list[Any]:
-        wait = None if timeout is None else timeout + 5.0  # vLLM's own timeout fires first
-        # every worker of every data-parallel rank, each answering (vLLM's own call returns rank 0's answers only)
-        return self.run(rpc.collective_rpc_all(self.engine, method, timeout, args, kwargs), wait, f"{method!r}")
 
     def expected_weights(self) -> ExpectedWeights | None:
         return expected_weights(self.engine)
@@ -135,54 +119,13 @@ class AsyncLLMHandle(EngineHandle):
     def get_weight_version(self) -> str | None:
         return str(self.run(self.engine.get_weight_version(), SHORT_TIMEOUT, "get_weight_version"))
 
-    def is_sleeping(self) -> bool:
-        def coarse() -> bool:
-            return bool(self.run(self.engine.is_sleeping(), SHORT_TIMEOUT, "is_sleeping"))
-
-        return self._sleep.asleep(lambda: coarse() and self._asleep_though_vllm_says_so())
-
-    def scheduler_paused(self) -> bool | None:
-        return bool(self.run(self.engine.is_paused(), SHORT_TIMEOUT, "is_paused"))
-
     def on_shutdown(self, callback: Callable[[], object]) -> None:
         patches.on_shutdown(self.engine, callback)
-
-    def model_config(self) -> Any:
-        return introspect.engine_model_config(self.engine).hf_config
-
-    @property
-    def extensible_kv_cache(self) -> bool:
-        return introspect.extensible_kv_cache(self.engine)
-
-    def engine_dtype(self) -> Any:
-        return introspect.engine_dtype(self.engine)
-
-    def prompt_logprobs(self, token_ids: Sequence[int], label: str | None = None) -> list[float | None] | None:
-        """Scored by the engine's own ``generate`` (not the wrapper that holds requests) while the install holds every
-        other new request (:meth:`PauseGate.probing`); the scheduler it paused runs for the probe's one request.
-        Under ``keep`` or ``recompute``, requests in flight decode on the new weights meanwhile, labelled ``label``
-        (a probe that fails aborts them)."""
-        label = label if self.pause_mode in ("keep", "recompute") else None
-        if label is not None:
-            self._gate.relabel = self.get_weight_version()
-        with self._gate.probing():
-            scored = scoring.score_during_install(self.engine, token_ids, label)
-            return self.run(scored, PROBE_TIMEOUT, "the family probe")
-
-    def max_lora_rank(self) -> int | None:
-        return introspect.max_lora_rank(self.engine)
-
-    def add_lora(self, name: str, lora_id: int, path: str) -> None:
-        request = introspect.lora_request(name, lora_id, path, replace=True)
-        self.run(self.engine.add_lora(request), SHORT_TIMEOUT, "add_lora")
-
-    def remove_lora(self, lora_id: int) -> None:
-        self.run(self.engine.remove_lora(lora_id), SHORT_TIMEOUT, "remove_lora")
 
     def describe(self) -> str:
         ranks = len(introspect.dp_engines(self.engine))
         dp = f", {ranks} data-parallel ranks" if ranks else ""
-        return f"AsyncLLM ({self.num_workers} worker(s){dp}, pause={self.pause_mode!r})"
+        return f"AsyncLLM ({self.facts.num_workers} worker(s){dp}, pause={self.pause_mode!r})"
 
 
 class PauseGate:
@@ -226,7 +169,7 @@ class PauseGate:
         frozen = mode in ("keep", "recompute")  # vLLM's "keep" pause: requests in flight are frozen, blocks and all
         # Paused by someone else already (not asleep: checked before): the install goes on under that pause and
         # leaves it (a trainer killed while it held a pause took this in-process engine with it).
-        ours = self.ours = handle.scheduler_paused() is not True
+        ours = self.ours = handle.pausing.scheduler_paused() is not True
         hold = asyncio.Event() if ours and mode != "keep" else None
         self._hold = hold
         self.preempted, self.label, self.recompute_s = frozenset(), None, None

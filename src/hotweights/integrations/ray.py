@@ -99,32 +99,32 @@ class _ActorSide:
         from hotweights.vllm.introspect import WORKER_EXTENSION
 
         h = self.handle
-        if not h.has_extension:
+        if not h.workers.extension:
             raise HotWeightsError(
                 f"this actor's engine ({h.describe()}) was started without hotweights' worker extension; start it "
                 f"with worker_extension_cls={WORKER_EXTENSION!r}"
             )
         expected = h.expected_weights()
         context = ray.get_runtime_context()
-        config = h.model_config()
+        config = h.model.config()
         return {
             "hotweights": "hotweights",
-            "num_workers": h.num_workers,
-            "worker_extension": h.worker_extension,
-            "weight_transfer_backend": h.weight_transfer_backend,
+            "num_workers": h.facts.num_workers,
+            "worker_extension": h.facts.worker_extension,
+            "weight_transfer_backend": h.facts.weight_transfer_backend,
             "expected": _expected_json(expected) if expected is not None else "",
             "node": context.get_node_id(),
             "actor": context.get_actor_id() or "",
             "engine": h.describe(),
-            "family": list(h.family()),
+            "family": list(h.model.family()),
             "config": config.to_json_string(use_diff=False) if config is not None else "",
-            "dtype": str(h.engine_dtype()).removeprefix("torch."),
+            "dtype": str(h.model.dtype()).removeprefix("torch."),
         }
 
     def call(self, method: str, args: list[Any], kwargs: dict[str, Any] | None, timeout: float | None) -> list[Any]:
         with ExitStack() as stack:
             local = [self._resolve(a, stack) for a in args]
-            return self.handle.call(method, *local, timeout=timeout, kwargs=kwargs)
+            return self.handle.workers.call(method, *local, timeout=timeout, kwargs=kwargs)
 
     def _resolve(self, arg: Any, stack: ExitStack) -> Any:
         """A ``"ray"`` descriptor becomes one this engine's workers open: the bytes fetched from the object store
@@ -136,7 +136,7 @@ class _ActorSide:
         data = memoryview(ray.get(arg["ref"]))  # type: ignore[arg-type]  # a read-only numpy array
         if data.nbytes != int(arg["nbytes"]):
             raise ValueError(f"ray bucket has {data.nbytes} bytes, its descriptor declares {arg['nbytes']}")
-        if self.handle.inprocess:
+        if self.handle.facts.inprocess:
             return {"transport": "bytes", "data": data, "nbytes": data.nbytes}
         from hotweights.transports.shm import published
 
@@ -213,7 +213,7 @@ class _ActorSide:
 
         def job() -> None:
             try:
-                done.set_result(self.handle.prompt_logprobs([int(t) for t in token_ids]))
+                done.set_result(self.handle.model.prompt_logprobs([int(t) for t in token_ids]))
             except BaseException as exc:
                 done.set_exception(exc)
 
@@ -236,10 +236,10 @@ class _ActorSide:
         return self.handle.get_weight_version()
 
     def is_sleeping(self) -> bool:
-        return self.handle.is_sleeping()
+        return self.handle.pausing.weights_asleep()
 
     def clear_kv_cache(self) -> int | None:
-        return self.handle.clear_kv_cache()
+        return self.handle.workers.clear_kv_cache()
 
 
 _OPS = {

@@ -280,7 +280,7 @@ def _adapter_only(gen: Any, target: Any, lora: bool | None) -> bool:
         why.append("the model is not a PEFT model")
     if gen.mode != "colocate":
         why.append("TRL's server mode (adapter-only syncs need the colocated engine)")
-    elif target is not None and as_engine(target).max_lora_rank() is None:
+    elif target is not None and as_engine(target).lora.max_rank() is None:
         why.append(
             "the engine was started without LoRA (build the trainer inside "
             "hotweights.integrations.trl.lora_engine(max_lora_rank=r))"

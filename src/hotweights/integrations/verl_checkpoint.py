@@ -57,13 +57,9 @@ SERVER_ACTOR = "vllm_server_{replica}_0"
 
 
 class VerlServer(RemoteHandle):
-    """A replica's vLLM server started by verl with hotweights' verl extension, which carries every operation of
-    hotweights' own (:data:`hotweights.WORKER_EXTENSION`), so it installs as a server started with that one."""
-
-    @property
-    def worker_extension(self) -> str:
-        found = super().worker_extension
-        return hotweights.WORKER_EXTENSION if found == VERL_EXTENSION else found
+    """A replica's vLLM server started by verl with hotweights' verl extension, a subclass of hotweights' own
+    (:data:`hotweights.WORKER_EXTENSION`): its workers answer as hotweights' extension, so it installs as a server
+    started with that one."""
 
 
 @CheckpointEngineRegistry.register(BACKEND)
@@ -205,7 +201,7 @@ class HotWeightsCheckpointEngine(CheckpointEngine):  # type: ignore[misc]
                 self._replicas[url] = (server, adapter)
 
     def _transport_for(self, server: VerlServer) -> Any:
-        if (self.transport or server.default_transport) == "shm":
+        if (self.transport or server.workers.default_transport) == "shm":
             return "shm"
         host = self.host or _node_address()
         return make_transport("collective", host=host, backend=self.backend, timeout=self.timeout, device=self.device)

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from hotweights.core.errors import EngineNotSupportedError
+from hotweights.core.facts import EngineFacts
 from hotweights.vllm.compat import TESTED_VLLM
 from hotweights.vllm.worker.runner import worker_model
 
@@ -21,6 +22,7 @@ __all__ = [
     "config_ties_embeddings",
     "dp_engines",
     "engine_dtype",
+    "engine_facts",
     "engine_kind",
     "engine_load_config",
     "engine_mode",
@@ -240,6 +242,17 @@ def weight_transfer_backend(llm: Any) -> str:
     """The ``weight_transfer_config.backend`` the engine was started with ("" when none)."""
     config = getattr(llm_engine(llm).vllm_config, "weight_transfer_config", None)
     return str(getattr(config, "backend", "") or "") if config is not None else ""
+
+
+def engine_facts(engine: Any) -> EngineFacts:
+    """What a ``vllm.LLM`` or an ``AsyncLLM`` is, read from its config (see :class:`EngineFacts`)."""
+    return EngineFacts(
+        num_workers=num_workers(engine),
+        worker_extension=worker_extension(engine),
+        weight_transfer_backend=weight_transfer_backend(engine),
+        inprocess=engine_kind(engine) == "llm" and engine_mode(engine) == "inprocess",
+        extensible_kv_cache=extensible_kv_cache(engine),
+    )
 
 
 def num_workers(llm: Any) -> int:
