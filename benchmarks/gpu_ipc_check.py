@@ -29,7 +29,7 @@ def build(mb: int, seed: int) -> torch.nn.Module:
 
 
 def receiver(conn: Any, manifest_json: str, mb: int) -> None:
-    from hotweights.transports.cuda_ipc import open_bucket
+    from hotweights.transports.cuda_ipc import Receiver
 
     model = build(mb, seed=0)
     params = dict(model.named_parameters())
@@ -38,7 +38,7 @@ def receiver(conn: Any, manifest_json: str, mb: int) -> None:
     copy_s = 0.0
     while (msg := conn.recv()) is not None:
         bucket_json, descriptor = msg
-        buffer, keep = open_bucket(descriptor)
+        buffer, keep = Receiver.open(Receiver.parse(descriptor))
         start = time.perf_counter()
         with torch.no_grad():
             for name, view in unpack(buffer, Bucket.model_validate_json(bucket_json), manifest):

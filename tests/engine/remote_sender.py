@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from typing import Any
 
 from safetensors.torch import load_file
 
@@ -22,8 +23,8 @@ def main() -> None:
         bucket = Bucket.model_validate_json(line)
         time.sleep(delay)  # widen the window in which a kill lands mid-transfer
 
-        def stage(descriptor: dict[str, object]) -> None:
-            print(json.dumps(descriptor), flush=True)
+        def stage(descriptor: Any) -> None:
+            print(json.dumps(descriptor.to_wire()), flush=True)  # its wire form, as it crosses a process
             if sys.stdin.readline().strip() != "ack":  # the engine staged it; shm.send then unlinks the file
                 raise ConnectionError("engine side went away")
 

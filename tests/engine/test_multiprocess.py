@@ -183,6 +183,11 @@ def test_the_worker_checks_what_the_trainer_could_not(engine: Engine, buckets: s
     assert greedy_vllm(engine.llm) == engine.b.fresh
 
 
+def _truncated(d: dict[str, Any]) -> dict[str, Any]:
+    """A descriptor's wire form with its payload 8 bytes short (where it carries one)."""
+    return {**d, "data": d["data"][:-8]} if "data" in d else d
+
+
 class CountingTransport(WeightTransport):
     """A real transport that counts sends and can fail after ``fail_after`` of them (simulating a crash)."""
 
@@ -204,7 +209,7 @@ class CountingTransport(WeightTransport):
             raise ConnectionError(f"transport died after {self.sends} buckets")
         self.sends += 1
         if self.corrupt:  # truncate the payload: the worker must refuse it against the manifest
-            self.inner.send(bucket, tensors, lambda d: stage({**d, "data": d["data"][:-8]} if "data" in d else d))
+            self.inner.send(bucket, tensors, lambda d: stage(_truncated(d.to_wire())))
         else:
             self.inner.send(bucket, tensors, stage)
 
@@ -405,7 +410,8 @@ class FlipByteTransport(WeightTransport):
         self.flipped = False
 
     def send(self, bucket: Bucket, tensors: Mapping[str, torch.Tensor], stage: Stage) -> None:
-        def corrupt(d: dict[str, Any]) -> None:
+        def corrupt(typed: Any) -> None:
+            d = typed.to_wire()  # as it crosses the RPC
             data = bytearray(d["data"])
             if not self.flipped and data:
                 data[len(data) // 2] ^= 0x10

@@ -27,7 +27,7 @@ class FakeWorker(HotWeightsWorkerExtension):
     rank = 0
 
 
-class ThreadEngine:
+class ThreadEngine(EngineLink):
     """An EngineLink whose one 'worker' runs the real worker extension in this process (its operations' arguments
     cross as the JSON object ``hotweights_engine`` reads); ``join=False``: the worker never joins a group."""
 
@@ -58,7 +58,9 @@ def test_broadcast_round_trip_and_reconnect() -> None:
             transport.send(
                 bucket,
                 sd,
-                lambda d, b=bucket, r=received: r.update(unpack(coll.open_bucket(d, engine.worker)[0], b, manifest)),
+                lambda d, b=bucket, r=received: r.update(
+                    unpack(coll.Receiver.open(coll.Receiver.parse(d), engine.worker)[0], b, manifest)
+                ),
             )
         assert received.keys() == sd.keys()
         assert all(torch.equal(received[k], sd[k]) for k in sd)
@@ -78,7 +80,7 @@ def test_rendezvous_times_out_naming_what_it_waited_for() -> None:
 
 def test_worker_without_group_refuses() -> None:
     with pytest.raises(RuntimeError, match="no hotweights communicator"):
-        coll.open_bucket({"transport": "collective", "nbytes": 4}, FakeWorker())
+        coll.Receiver.open(coll.Receiver.parse({"transport": "collective", "nbytes": 4}), FakeWorker())
 
 
 def test_send_before_connect_refused() -> None:
@@ -193,7 +195,11 @@ def test_send_after_a_failure_reconnects_instead_of_broadcasting_out_of_step() -
         transport.send(bucket, sd, _stager(engine, engine_manifest, bucket))
     received: dict[str, torch.Tensor] = {}
     transport.send(
-        bucket, sd, lambda d: received.update(unpack(coll.open_bucket(d, engine.worker)[0], bucket, manifest))
+        bucket,
+        sd,
+        lambda d: received.update(
+            unpack(coll.Receiver.open(coll.Receiver.parse(d), engine.worker)[0], bucket, manifest)
+        ),
     )
     assert torch.equal(received["a"], sd["a"])
     assert engine.calls.count("join_group") == 2  # a fresh rendezvous, not the stale group
@@ -287,4 +293,4 @@ def test_open_bucket_refuses_a_bad_byte_count(nbytes: Any) -> None:
     worker = FakeWorker()
     attach.put(worker, "group", (object(), "gloo"))
     with pytest.raises(ValueError, match="non-negative integer 'nbytes'"):
-        coll.open_bucket({"transport": "collective", "nbytes": nbytes}, worker)
+        coll.Receiver.open(coll.Receiver.parse({"transport": "collective", "nbytes": nbytes}), worker)

@@ -24,11 +24,11 @@ def test_refused_without_cuda_with_what_to_do() -> None:
 
 def _receive(conn: object, manifest_json: str) -> None:  # pragma: no cover - runs in the child
     from hotweights.core.buckets import Bucket
-    from hotweights.transports.cuda_ipc import open_bucket
+    from hotweights.transports.cuda_ipc import Receiver
 
     manifest = WeightUpdateManifest.from_json(manifest_json)
     bucket_json, descriptor = conn.recv()  # type: ignore[attr-defined]
-    buffer, _ = open_bucket(descriptor)
+    buffer, _ = Receiver.open(Receiver.parse(descriptor))
     got = dict(unpack(buffer, Bucket.model_validate_json(bucket_json), manifest))
     conn.send({k: v.cpu() for k, v in got.items()})  # type: ignore[attr-defined]
 

@@ -989,7 +989,7 @@ def test_shm_open_bucket_maps_only_hotweights_segment_files(name: str, kind: str
     raw = f"{where}{name}" if where.startswith("/") else f"{shm_files.SHM_DIR}/{where}{name}"
     try:
         try:
-            buffer, _ = shm.open_bucket({"transport": "shm", "path": raw, "nbytes": 8})
+            buffer, _ = shm.Receiver.open(shm.Receiver.parse({"transport": "shm", "path": raw, "nbytes": 8}))
         except (ValueError, OSError):
             mapped = False
         else:

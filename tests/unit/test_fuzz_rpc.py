@@ -46,7 +46,7 @@ import inspect
 import json
 import math
 import os
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
@@ -288,7 +288,7 @@ def _watched(worker: FuzzWorker) -> Iterator[Watch]:
     watch = Watch()
     real_open = os.open
     real_problems = staging_mod.bucket_problems
-    real_side = staging_mod.engine_side
+    real_receiver = staging_mod.receiver_for
 
     def recording_open(path: Any, flags: int, *args: Any, **kwargs: Any) -> int:
         watch.opened.append(os.fsdecode(path) if isinstance(path, (str, bytes, os.PathLike)) else repr(path))
@@ -299,19 +299,22 @@ def _watched(worker: FuzzWorker) -> Iterator[Watch]:
         watch.checked.append(Checked(bucket, manifest, size, list(problems)))
         return problems
 
-    def recording_side(descriptor: dict[str, Any]) -> Callable[..., Any]:
-        open_bucket = real_side(descriptor)
+    def recording_receiver(name: str) -> Any:
+        receiver = real_receiver(name)
 
-        def opened(desc: dict[str, Any], owner: Any) -> Any:
-            last = watch.checked[-1] if watch.checked else None
-            watch.transports.append((dict(desc), last))
-            nbytes = desc.get("nbytes")
-            if last is not None and isinstance(nbytes, int) and nbytes > _bound(last.manifest):
-                watch.oversized.append((nbytes, _bound(last.manifest)))
-                raise Reached("a bucket larger than its manifest reached the transport")  # not allocated here
-            return open_bucket(desc, owner)
+        class Recording(receiver):  # type: ignore[valid-type,misc]
+            @classmethod
+            def open(cls, typed: Any, owner: Any = None, bucket: Any = None, manifest: Any = None) -> Any:
+                desc = typed.to_wire()
+                last = watch.checked[-1] if watch.checked else None
+                watch.transports.append((dict(desc), last))
+                nbytes = desc.get("nbytes")
+                if last is not None and isinstance(nbytes, int) and nbytes > _bound(last.manifest):
+                    watch.oversized.append((nbytes, _bound(last.manifest)))
+                    raise Reached("a bucket larger than its manifest reached the transport")  # not allocated here
+                return receiver.open(typed, owner, bucket, manifest)
 
-        return opened
+        return Recording
 
     def write(worker_: Any, items: Any) -> int:
         watch.writes.append({n: TensorSpec.of(t) for n, t in items})
@@ -324,7 +327,7 @@ def _watched(worker: FuzzWorker) -> Iterator[Watch]:
     with contextlib.ExitStack() as stack:
         stack.enter_context(mock.patch("os.open", recording_open))
         stack.enter_context(mock.patch.object(staging_mod, "bucket_problems", recording_problems))
-        stack.enter_context(mock.patch.object(staging_mod, "engine_side", recording_side))
+        stack.enter_context(mock.patch.object(staging_mod, "receiver_for", recording_receiver))
         stack.enter_context(mock.patch.object(worker_ops, "reload_checkpoint_tensors", write))  # full and delta
         stack.enter_context(mock.patch.object(collective, "create_group", rendezvous))
         yield watch
@@ -1286,7 +1289,8 @@ def test_the_watch_sees_what_a_well_formed_call_reaches(fx: Fixture, wire: str) 
     )
     seen: list[Outcome] = []
 
-    def stage(desc: dict[str, Any]) -> None:
+    def stage(typed: Any) -> None:
+        desc = typed.to_wire()  # as it crosses the RPC
         seen.append(
             _run(worker, *_deliver(wire, "hotweights_stage", [OPEN_ID, open_buckets[0].model_dump_json(), desc], {}))
         )

@@ -233,7 +233,7 @@ def _lead_rank_writes(
     from hotweights.core.buckets import unpack
     from hotweights.core.manifest import WeightUpdateManifest
     from hotweights.core.rank_writes import RankWrites
-    from hotweights.transports.shm import Transport, open_bucket
+    from hotweights.transports.shm import Receiver, Transport
     from hotweights.transports.shm_files import SHM_DIR
 
     g = Gatherer(source, leader)
@@ -254,7 +254,7 @@ def _lead_rank_writes(
         def staged(descriptor: Any) -> None:
             if refuse_stage:
                 raise ValueError(f"bucket {bucket.index} refused before receiving")
-            buffer, _ = open_bucket(descriptor)
+            buffer, _ = Receiver.open(Receiver.parse(descriptor))
             for name, tensor in unpack(buffer, bucket, manifest):
                 seen.append((name, torch.equal(tensor, full[name]), writes.owner[bucket.index] != -1))
 

@@ -92,14 +92,15 @@ def _kill(proc: subprocess.Popen[str]) -> None:
     proc.wait(30)  # reaped: its descriptors (and locks) are gone with it
 
 
-class _Link:
+class _Link(EngineLink):
     """An engine link whose operations (``release_segments``) succeed, or raise ``fails``; each is recorded with its
     arguments as the workers would read them (a JSON object)."""
+
+    num_workers = 1
 
     def __init__(self, fails: BaseException | None = None) -> None:
         self.fails = fails
         self.calls: list[tuple[str, dict[str, Any]]] = []
-        self.num_workers = 1
 
     def engine_op(self, op: str, **args: Any) -> list[Any]:
         self.calls.append((op, json.loads(json.dumps(args))))
@@ -120,7 +121,7 @@ def _unshared_segment(transport: shm.Transport) -> Path:
 def _kept_file(transport: shm.Transport) -> Path:
     """A file a default transport keeps for the next install."""
     paths: list[Path] = []
-    transport.send(_bucket(TENSORS), TENSORS, lambda d: paths.append(Path(d["path"])))
+    transport.send(_bucket(TENSORS), TENSORS, lambda d: paths.append(Path(d.path)))
     assert paths[0].exists()
     return paths[0]
 
@@ -137,11 +138,11 @@ def test_a_sigkilled_trainers_files_go_with_the_next_transport() -> None:
         tensors = {"w": torch.arange(64, dtype=torch.float32), "b": torch.ones(8)}
         (bucket,) = plan_buckets(WeightUpdateManifest.from_state_dict(tensors, weight_version=1), bucket_bytes=1 << 20)
         paths = []
-        shm.Transport().send(bucket, tensors, lambda d: paths.append(d["path"]))
+        shm.Transport().send(bucket, tensors, lambda d: paths.append(d.path))
         keep = shm.Transport()  # kept alive below, with its file
-        keep.send(bucket, tensors, lambda d: paths.append(d["path"]))
+        keep.send(bucket, tensors, lambda d: paths.append(d.path))
         def in_flight(d):
-            paths.append(d["path"])
+            paths.append(d.path)
             print(json.dumps({"paths": paths[1:]}), flush=True)
             time.sleep(3600)  # killed here, mid-install
         shm.Transport(keep_segments=True).send(bucket, tensors, in_flight)
@@ -242,7 +243,7 @@ def test_a_forked_child_does_not_keep_a_killed_parents_files() -> None:
         _ONE_BUCKET
         + """
         transport = shm.Transport()
-        transport.send(bucket, tensors, lambda d: paths.append(d["path"]))
+        transport.send(bucket, tensors, lambda d: paths.append(d.path))
         ready, said = os.pipe()
         child = os.fork()
         if child == 0:  # the fork's handlers ran before this line: the inherited descriptors are closed
@@ -295,12 +296,12 @@ def test_a_worker_refuses_a_file_of_another_user(kept: bool, monkeypatch: pytest
         descriptor["segment"] = sid
     worker = HotWeightsWorkerExtension()
     try:
-        buffer, _ = shm.open_bucket(descriptor, worker)  # this worker's own user's file: mapped
+        buffer, _ = shm.Receiver.open(shm.Receiver.parse(descriptor), worker)  # this worker's own user's file: mapped
         assert buffer.numel() == 8
         assert worker.hotweights_engine("release_segments", json.dumps({"ids": None})) == int(kept)
         monkeypatch.setattr(shm.os, "geteuid", lambda: path.stat().st_uid + 4242)  # a worker of another user
         with pytest.raises(ValueError, match=r"refusing to map .*: owned by uid \d+, not this worker's"):
-            shm.open_bucket(descriptor, worker)
+            shm.Receiver.open(shm.Receiver.parse(descriptor), worker)
     finally:
         path.unlink()
 
@@ -397,7 +398,7 @@ def test_exit_removes_the_kept_files() -> None:
         _ONE_BUCKET
         + """
         transport = shm.Transport()
-        transport.send(bucket, tensors, lambda d: paths.append(d["path"]))
+        transport.send(bucket, tensors, lambda d: paths.append(d.path))
         kept = shm.Transport(keep_segments=True)
         try:
             kept.send(bucket, {}, lambda d: None)

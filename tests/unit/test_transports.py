@@ -18,10 +18,12 @@ from hotweights.core.buckets import Bucket, BucketEntry, plan_buckets, unpack
 from hotweights.core.errors import HotWeightsError
 from hotweights.core.manifest import WeightUpdateManifest
 from hotweights.transports import (
+    EngineLink,
     WeightTransport,
     available_transports,
-    engine_side,
     make_transport,
+    parse_descriptor,
+    receiver_for,
     register_transport,
     shm,
     shm_files,
@@ -117,20 +119,20 @@ class TestRegistry:
         register_transport("mine", "hotweights.transports.bytes")
         assert "mine" in available_transports()
         assert isinstance(make_transport("mine"), bytes_transport.Transport)
-        assert engine_side({"transport": "mine"}) is bytes_transport.open_bucket
+        assert receiver_for("mine") is bytes_transport.Receiver
 
     def test_engine_side_by_descriptor(self) -> None:
-        assert engine_side({"transport": "shm", "path": "x", "nbytes": 0}) is shm.open_bucket
-        assert engine_side({"transport": "bytes"}) is bytes_transport.open_bucket
+        assert receiver_for(parse_descriptor({"transport": "shm", "path": "x", "nbytes": 0}).transport) is shm.Receiver
+        assert receiver_for("bytes") is bytes_transport.Receiver
 
     @pytest.mark.parametrize("descriptor", [{}, {"transport": 3}, {"path": "/dev/shm/x"}])
     def test_engine_side_without_a_name(self, descriptor: dict[str, Any]) -> None:
         with pytest.raises(HotWeightsError, match="descriptor has no 'transport' name"):
-            engine_side(descriptor)
+            parse_descriptor(descriptor)
 
     def test_engine_side_unknown_name(self) -> None:
         with pytest.raises(HotWeightsError, match="unknown transport 'carrier-pigeon'"):
-            engine_side({"transport": "carrier-pigeon"})
+            parse_descriptor({"transport": "carrier-pigeon"})
 
 
 # ---------------------------------------------------------------------------------------------- shm, kept segments
@@ -138,8 +140,10 @@ class _Worker:
     """A worker object for ``open_bucket`` to keep mappings on."""
 
 
-class _Link:
+class _Link(EngineLink):
     """An EngineLink whose one worker is in this process: ``engine_op`` runs the extension's operation on it."""
+
+    releases_buckets_after_stage = False
 
     def __init__(self, worker: _Worker) -> None:
         self.worker = worker
@@ -166,8 +170,9 @@ class TestShmKeptSegments:
         for bucket in plan_buckets(m, bucket_bytes=bucket_bytes):
 
             def stage(descriptor: dict[str, Any], bucket: Bucket = bucket) -> None:
+                descriptor = descriptor.to_wire()  # as it crosses the RPC
                 ids.append(descriptor["segment"])
-                buffer, _ = shm.open_bucket(descriptor, worker)
+                buffer, _ = shm.Receiver.open(shm.Receiver.parse(descriptor), worker)
                 received.update({n: t.clone() for n, t in unpack(buffer, bucket, m)})
 
             transport.send(bucket, tensors, stage)
@@ -235,7 +240,9 @@ class TestShmKeptSegments:
         path = f"{shm_files.SHM_DIR}/hotweights-{os.getpid()}-{'a' * 32}"
         for sid in ["b" * 32, "../x", "A" * 32]:
             with pytest.raises(ValueError, match="refusing segment"):
-                shm.open_bucket({"transport": "shm", "path": path, "nbytes": 8, "segment": sid}, _Worker())
+                shm.Receiver.open(
+                    shm.Receiver.parse({"transport": "shm", "path": path, "nbytes": 8, "segment": sid}), _Worker()
+                )
 
     def test_segments_of_a_trainer_that_is_gone_are_released(self) -> None:
         worker = _Worker()
@@ -264,6 +271,7 @@ class TestShm:
         paths: list[Path] = []
 
         def stage(descriptor: dict[str, Any]) -> None:
+            descriptor = descriptor.to_wire()  # as it crosses the RPC
             assert descriptor["transport"] == "shm"
             path = Path(descriptor["path"])
             paths.append(path)
@@ -273,7 +281,7 @@ class TestShm:
             assert stat.S_IMODE(st_.st_mode) == 0o600
             assert st_.st_size == max(bucket.nbytes, 1)
             assert descriptor["nbytes"] == bucket.nbytes
-            buffer, keepalive = shm.open_bucket(descriptor)
+            buffer, keepalive = shm.Receiver.open(shm.Receiver.parse(descriptor))
             assert buffer.dtype == torch.uint8
             assert buffer.numel() == bucket.nbytes
             keep.append(keepalive)
@@ -307,7 +315,8 @@ class TestShm:
         received: dict[str, torch.Tensor] = {}
 
         def stage(descriptor: dict[str, Any]) -> None:
-            buffer, _ = shm.open_bucket(descriptor)
+            descriptor = descriptor.to_wire()  # as it crosses the RPC
+            buffer, _ = shm.Receiver.open(shm.Receiver.parse(descriptor))
             received.update((n, t.clone()) for n, t in unpack(buffer, bucket, m))
 
         shm.Transport().send(bucket, tensors, stage)
@@ -326,8 +335,9 @@ class TestShm:
             paths: list[Path] = []
 
             def stage(descriptor: dict[str, Any]) -> None:
+                descriptor = descriptor.to_wire()  # as it crosses the RPC
                 paths.append(Path(descriptor["path"]))
-                buffer, _ = shm.open_bucket(descriptor)
+                buffer, _ = shm.Receiver.open(shm.Receiver.parse(descriptor))
                 bucket = plan[len(paths) - 1]
                 received.update((n, t.clone()) for n, t in unpack(buffer, bucket, m))
 
@@ -393,7 +403,7 @@ class TestShm:
         tensors = {"w": torch.ones(4)}
         bucket = plan_buckets(_manifest(tensors), bucket_bytes=1024)[0]
         seen: list[dict[str, Any]] = []
-        shm.Transport().send(bucket, tensors, seen.append)
+        shm.Transport().send(bucket, tensors, lambda d: seen.append(d.to_wire()))
         (d,) = seen
         assert set(d) == {"transport", "path", "nbytes"}
         assert isinstance(d["path"], str)
@@ -406,6 +416,7 @@ class TestShm:
         paths: list[Path] = []
 
         def stage(descriptor: dict[str, Any]) -> None:
+            descriptor = descriptor.to_wire()  # as it crosses the RPC
             paths.append(Path(descriptor["path"]))
             assert paths[-1].exists()
             raise boom
@@ -452,7 +463,8 @@ class TestShm:
         rss: list[int] = []
 
         def stage(descriptor: dict[str, Any]) -> None:
-            buffer, _keepalive = shm.open_bucket(descriptor, _Worker())
+            descriptor = descriptor.to_wire()  # as it crosses the RPC
+            buffer, _keepalive = shm.Receiver.open(shm.Receiver.parse(descriptor), _Worker())
             rss.append(_mapped_kib(buffer.data_ptr()))
             assert _mapped_kib(buffer.data_ptr(), "Anonymous") == 0  # mapped, not copied (copy-on-write intact)
             assert torch.equal(dict(unpack(buffer, bucket, m))["w"], tensors["w"])
@@ -465,7 +477,7 @@ class TestShm:
         path = tmp_path / f"hotweights-{os.getpid()}-x"
         path.write_bytes(b"\0" * 8)
         with pytest.raises(ValueError, match=r"refusing to map .*: not a hotweights segment in"):
-            shm.open_bucket({"transport": "shm", "path": str(path), "nbytes": 8})
+            shm.Receiver.open(shm.Receiver.parse({"transport": "shm", "path": str(path), "nbytes": 8}))
 
     @pytest.mark.parametrize(
         "name", ["other-file", "xhotweights-1-a", "sub/hotweights-1-a", "../hotweights-1-a", "../tmp/hotweights-1-a"]
@@ -473,7 +485,7 @@ class TestShm:
     def test_open_bucket_refuses_foreign_paths_before_opening(self, name: str) -> None:
         path = str(shm_files.SHM_DIR) + "/" + name  # none of these exists: opening would raise FileNotFoundError
         with pytest.raises(ValueError, match="refusing to map"):
-            shm.open_bucket({"transport": "shm", "path": path, "nbytes": 8})
+            shm.Receiver.open(shm.Receiver.parse({"transport": "shm", "path": path, "nbytes": 8}))
 
     @pytest.mark.parametrize("kind", ["symlink", "directory", "fifo", "wrong-name", "outside", "kept-symlink"])
     def test_open_bucket_maps_only_regular_segment_files(self, kind: str, tmp_path: Path) -> None:
@@ -498,7 +510,7 @@ class TestShm:
             else:
                 descriptor["path"] = str(target)
             with pytest.raises(ValueError, match="refusing to map"):
-                shm.open_bucket(descriptor, _Worker())
+                shm.Receiver.open(shm.Receiver.parse(descriptor), _Worker())
         finally:
             for p in (path, Path(descriptor["path"])):
                 if p.is_dir() and not p.is_symlink():
@@ -512,7 +524,8 @@ class TestShm:
         bucket = plan_buckets(_manifest(tensors), bucket_bytes=1024)[0]
 
         def stage(descriptor: dict[str, Any]) -> None:
-            shm.open_bucket({**descriptor, "nbytes": 81})
+            descriptor = descriptor.to_wire()  # as it crosses the RPC
+            shm.Receiver.open(shm.Receiver.parse({**descriptor, "nbytes": 81}))
 
         with pytest.raises(ValueError, match="holds 80 bytes, the bucket needs 81"):
             shm.Transport().send(bucket, tensors, stage)
@@ -524,9 +537,10 @@ class TestShm:
         out: list[torch.Tensor] = []
 
         def stage(descriptor: dict[str, Any]) -> None:
-            first, keep1 = shm.open_bucket(descriptor)
+            descriptor = descriptor.to_wire()  # as it crosses the RPC
+            first, keep1 = shm.Receiver.open(shm.Receiver.parse(descriptor))
             first.fill_(0xFF)  # a worker writing its copy changes neither the file nor another worker's view
-            second, keep2 = shm.open_bucket(descriptor)
+            second, keep2 = shm.Receiver.open(shm.Receiver.parse(descriptor))
             assert Path(descriptor["path"]).read_bytes() == bytes(range(16))
             out.extend([first.clone(), second.clone()])
             del first, second, keep1, keep2
@@ -543,7 +557,8 @@ class TestShm:
         received: dict[str, torch.Tensor] = {}
 
         def stage(descriptor: dict[str, Any]) -> None:
-            buffer, _ = shm.open_bucket(descriptor)
+            descriptor = descriptor.to_wire()  # as it crosses the RPC
+            buffer, _ = shm.Receiver.open(shm.Receiver.parse(descriptor))
             received.update((n, t.clone()) for n, t in unpack(buffer, bucket, m))
 
         for bucket in plan:
@@ -569,7 +584,7 @@ class TestBytes:
         out: list[tuple[Bucket, dict[str, Any]]] = []
         transport = bytes_transport.Transport()
         for bucket in plan_buckets(_manifest(tensors), bucket_bytes=bucket_bytes):
-            transport.send(bucket, tensors, lambda d, b=bucket: out.append((b, d)))
+            transport.send(bucket, tensors, lambda d, b=bucket: out.append((b, d.to_wire())))
         return out
 
     def test_round_trip(self) -> None:
@@ -584,7 +599,9 @@ class TestBytes:
             assert isinstance(d["data"], (bytes, bytearray))
             assert len(d["data"]) == bucket.nbytes
             # as msgpack delivers it: immutable bytes
-            buffer, _keep = bytes_transport.open_bucket({**d, "data": bytes(d["data"])})
+            buffer, _keep = bytes_transport.Receiver.open(
+                bytes_transport.Receiver.parse({**d, "data": bytes(d["data"])})
+            )
             assert buffer.numel() == bucket.nbytes
             received.update(unpack(buffer, bucket, m))
         _assert_same(received, tensors)
@@ -593,7 +610,7 @@ class TestBytes:
         tensors = {"big": torch.zeros(100, dtype=torch.uint8), "empty": torch.zeros(0, 4)}
         sent = self._descriptors(tensors, 64)
         assert [b.nbytes for b, _ in sent] == [100, 0]
-        buffer, _ = bytes_transport.open_bucket(sent[1][1])
+        buffer, _ = bytes_transport.Receiver.open(bytes_transport.Receiver.parse(sent[1][1]))
         assert buffer.numel() == 0
         assert dict(unpack(buffer, sent[1][0], _manifest(tensors)))["empty"].shape == (0, 4)
 
@@ -604,14 +621,14 @@ class TestBytes:
         data = bytes(d["data"])
         data = data[:delta] if delta < 0 else data + b"\0" * delta
         with pytest.raises(ValueError, match=rf"bytes payload has {got} bytes, the bucket declares 88"):
-            bytes_transport.open_bucket({**d, "data": data})
+            bytes_transport.Receiver.open(bytes_transport.Receiver.parse({**d, "data": data}))
 
     @pytest.mark.parametrize("payload", [None, "x" * 88, list(range(88))])
     def test_refuses_a_payload_that_is_not_bytes(self, payload: Any) -> None:
         d = {"transport": "bytes", "data": payload, "nbytes": 88}
         expected = rf"bytes payload has {type(payload).__name__} bytes, the bucket declares 88"
         with pytest.raises(ValueError, match=expected):
-            bytes_transport.open_bucket(d)
+            bytes_transport.Receiver.open(bytes_transport.Receiver.parse(d))
 
 
 # ---------------------------------------------------------------------------------------------- worker extension

@@ -42,9 +42,9 @@ def test_a_bucket_without_torch_types_is_refused() -> None:
 
 def test_the_verl_transport_opens_only_this_workers_buckets() -> None:
     buffer = torch.zeros(8, dtype=torch.uint8)
-    assert verl.open_bucket({"buffer": buffer})[0] is buffer
+    assert verl.Receiver.open(verl.Receiver.parse({"transport": "verl", "nbytes": 8, "buffer": buffer}))[0] is buffer
     with pytest.raises(ValueError, match="cannot come from elsewhere"):
-        verl.open_bucket({"buffer": [0] * 8})
+        verl.Receiver.parse({"transport": "verl", "nbytes": 8, "buffer": [0] * 8})
 
 
 def test_shm_names_other_than_verls_are_refused() -> None:

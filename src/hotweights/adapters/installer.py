@@ -26,7 +26,7 @@ from hotweights.core.delta import EncodedDelta, StagedDelta
 from hotweights.core.manifest import ExpectedWeights, WeightUpdateManifest
 from hotweights.handles import EngineHandle, as_engine
 from hotweights.telemetry import logger
-from hotweights.transports import WeightTransport, make_transport
+from hotweights.transports import EngineLink, WeightTransport, make_transport
 from hotweights.vllm import introspect
 
 if TYPE_CHECKING:
@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 __all__ = ["Installer"]
 
 
-class Installer(WeightInstallAdapter):
+class Installer(WeightInstallAdapter, EngineLink):
     """Installs into one engine through its handle: the install session through ``wire`` and ``transport`` with
     ``options`` checked once, here; or, with ``wire=None``, vLLM's own reload of a checkpoint written on this host.
 

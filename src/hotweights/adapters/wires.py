@@ -9,6 +9,9 @@ operations a transport needs (:class:`Wire`):
   with the ``"hotweights"`` backend;
 - :class:`InProcessWire`: an engine in this process, whose worker is called directly: the manifest by reference,
   the tensors through the ``reference`` transport.
+
+A descriptor crosses a process as its wire form (:func:`~hotweights.transports.wire_of`): plain JSON/msgpack
+values, never pickle.
 """
 
 from __future__ import annotations
@@ -21,7 +24,8 @@ from hotweights.core.delta import DeltaBase
 from hotweights.core.errors import EngineNotSupportedError
 from hotweights.core.manifest import WeightUpdateManifest
 from hotweights.handles import EngineHandle
-from hotweights.transports import Descriptor
+from hotweights.transports import Descriptor, wire_of
+from hotweights.transports.reference import ReferenceDescriptor
 from hotweights.vllm.worker.session import PROTOCOL, SessionOptions, session_of
 
 __all__ = ["ExtensionWire", "InProcessWire", "TransferAPIWire", "Wire"]
@@ -137,7 +141,7 @@ class ExtensionWire(_RPCWire):
         self.call("hotweights_begin", self._with(options, manifest, lent))
 
     def stage(self, update_id: str, bucket_json: str, descriptor: Descriptor) -> None:
-        self.call("hotweights_stage", update_id, bucket_json, descriptor)
+        self.call("hotweights_stage", update_id, bucket_json, wire_of(descriptor))
 
     def prepare(self, update_id: str) -> list[list[dict[str, str]]]:
         return self.call("hotweights_prepare", update_id)
@@ -150,7 +154,8 @@ class ExtensionWire(_RPCWire):
 
     def install(self, options: SessionOptions, manifest: WeightUpdateManifest, payload: Any) -> Answers:
         bucket_json, descriptor = payload
-        return self.call("hotweights_begin", self._with(options, manifest, None), bucket_json, descriptor)
+        wire = wire_of(descriptor)
+        return self.call("hotweights_begin", self._with(options, manifest, None), bucket_json, wire)
 
     def engine_op(self, op: str, **args: Any) -> Answers:
         return self.call("hotweights_engine", op, json.dumps(args))
@@ -176,7 +181,7 @@ class TransferAPIWire(_RPCWire):
         self._update(update_id=_update_id(options, manifest), options_json=options_json)
 
     def stage(self, update_id: str, bucket_json: str, descriptor: Descriptor) -> None:
-        self._update(update_id=update_id, bucket_json=bucket_json, descriptor=descriptor)
+        self._update(update_id=update_id, bucket_json=bucket_json, descriptor=wire_of(descriptor))
 
     def prepare(self, update_id: str) -> list[list[dict[str, str]]]:
         self._update(update_id=update_id, prepare=True)  # a worker's problems raise, typed
@@ -223,11 +228,11 @@ class InProcessWire:
         self._run(_begin_here, options, manifest, lent)
 
     def stage(self, update_id: str, bucket_json: str, descriptor: Descriptor) -> None:
-        if descriptor.get("transport") != "reference":
+        if not isinstance(descriptor, ReferenceDescriptor):
             raise EngineNotSupportedError(
-                f"an in-process engine stages tensors by reference, not through {descriptor.get('transport')!r}"
+                f"an in-process engine stages tensors by reference, not through {descriptor.transport!r}"
             )
-        self._run(_stage_here, update_id, descriptor["items"])
+        self._run(_stage_here, update_id, descriptor.items)
 
     def prepare(self, update_id: str) -> list[list[dict[str, str]]]:
         return self._run(_prepare_here, update_id)

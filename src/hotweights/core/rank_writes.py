@@ -58,8 +58,8 @@ class PieceFile(Protocol):
     """A bucket's file open for writes at offsets (:class:`hotweights.transports.shm_writes.BucketFile`)."""
 
     path: str
-    descriptor: dict[str, Any]
-    """What stages the bucket once it is written (the transport's descriptor)."""
+    descriptor: Any
+    """What stages the bucket once it is written (the transport's descriptor: opaque here)."""
 
     def write(self, data: torch.Tensor, offset: int, shape: Sequence[int], dim: int = 0, start: int = 0) -> None: ...
 
@@ -152,7 +152,7 @@ class RankWrites:
         plan: list[Bucket],
         local: Callable[[Bucket], None],
         written: Written,
-        stage: Callable[[Bucket, dict[str, Any]], None],
+        stage: Callable[[Bucket, Any], None],
     ) -> None:
         """Every bucket of ``plan`` staged: gathered ones first (they need every rank), through ``local(bucket)``;
         then those the ranks write, each into ``written(bucket)`` and staged with ``stage(bucket, descriptor)``

@@ -29,8 +29,8 @@ if TYPE_CHECKING:
 
     from hotweights.core.buckets import Bucket
 
-#: What a transport hands the engine for one bucket (see :mod:`hotweights.transports.transport`).
-Descriptor = dict[str, Any]
+#: What a transport hands the engine for one bucket (:class:`hotweights.transports.Descriptor`): opaque here.
+Descriptor = Any
 
 
 class WeightTransport(Protocol):

@@ -20,6 +20,7 @@ imports verl. LoRA adapter syncs are refused (:class:`~hotweights.EngineNotSuppo
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import io
 import logging
@@ -41,10 +42,16 @@ from hotweights.core.errors import (
 )
 from hotweights.core.manifest import ExpectedWeights
 from hotweights.integrations.verl_update import TRANSPORT, Update
-from hotweights.transports import available_transports, register_transport
+from hotweights.transports import BucketReceiver, Descriptor, Opened, available_transports, register_transport
 from hotweights.vllm.worker.extension import HotWeightsWorkerExtension
 
-__all__ = ["DEFAULT_TIMEOUT_S", "TIMEOUT_ENV", "VerlReceiver", "open_bucket"]  # and VerlWorkerExtension, built on use
+__all__ = [
+    "DEFAULT_TIMEOUT_S",
+    "TIMEOUT_ENV",
+    "Receiver",
+    "VerlDescriptor",
+    "VerlReceiver",
+]  # and VerlWorkerExtension, built on use
 
 log = logging.getLogger("hotweights")
 
@@ -87,12 +94,28 @@ def _loads(data: bytes) -> Any:
         raise InstallError(f"a message from verl's sender could not be read ({type(exc).__name__}: {exc})") from None
 
 
-def open_bucket(descriptor: dict[str, Any], worker: Any = None) -> tuple[torch.Tensor, Any]:
-    """The engine side of the ``verl`` transport: the bucket this worker packed from verl's buffer, in-process."""
-    buffer = descriptor.get("buffer")
-    if not isinstance(buffer, torch.Tensor):
-        raise ValueError("a 'verl' bucket is packed by this worker from verl's sender; it cannot come from elsewhere")
-    return buffer, buffer
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class VerlDescriptor(Descriptor):
+    """A bucket this worker packed from verl's buffer (it never leaves the worker's process)."""
+
+    transport: str = TRANSPORT
+    buffer: torch.Tensor
+    """The packed bucket."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        fix = "a 'verl' bucket is packed by this worker from verl's sender; it cannot come from elsewhere"
+        self.require("buffer", isinstance(self.buffer, torch.Tensor), "a tensor as its", fix)
+
+
+class Receiver(BucketReceiver):
+    """The engine side of the ``verl`` transport: the bucket this worker packed, where it lies."""
+
+    descriptor = VerlDescriptor
+
+    @classmethod
+    def open(cls, descriptor: VerlDescriptor, worker: Any = None, bucket: Any = None, manifest: Any = None) -> Opened:
+        return descriptor.buffer, descriptor.buffer
 
 
 if TRANSPORT not in available_transports():

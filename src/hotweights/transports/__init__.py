@@ -1,6 +1,7 @@
-"""Pickle-free transports, behind one small contract (:class:`WeightTransport`).
+"""Pickle-free transports, behind one small contract (:mod:`hotweights.transports.transport`).
 
-Built-ins, each a sibling module with a trainer-side ``WeightTransport`` and an engine-side ``open_bucket``:
+Built-ins, each a sibling module with a trainer-side ``Transport``, its descriptor type and an engine-side
+``Receiver``:
 
 - ``shm``: buckets written once into private shared-memory files that the workers map without a copy (same host);
 - ``bytes``: raw bucket bytes inside the RPC message (works wherever vLLM's RPC reaches; the fallback);
@@ -20,19 +21,32 @@ from __future__ import annotations
 from types import ModuleType
 from typing import Any
 
-from hotweights.core.errors import HotWeightsError
 from hotweights.core.registry import LazyRegistry
-from hotweights.transports.transport import Descriptor, EngineLink, Stage, WeightTransport
+from hotweights.transports.transport import (
+    BucketReceiver,
+    Descriptor,
+    EngineLink,
+    MalformedDescriptorError,
+    Opened,
+    Stage,
+    WeightTransport,
+    wire_of,
+)
 
 __all__ = [
+    "BucketReceiver",
     "Descriptor",
     "EngineLink",
+    "MalformedDescriptorError",
+    "Opened",
     "Stage",
     "WeightTransport",
     "available_transports",
-    "engine_side",
     "make_transport",
+    "parse_descriptor",
+    "receiver_for",
     "register_transport",
+    "wire_of",
 ]
 
 #: Transport name -> its module (imported on first use).
@@ -40,7 +54,9 @@ _REGISTRY = LazyRegistry("transport")
 
 
 def register_transport(name: str, module: str) -> None:
-    """Register a transport module (``module`` defines ``Transport`` and ``open_bucket``) under ``name``.
+    """Register a transport module under ``name``: it defines ``Receiver`` (the engine side, a
+    :class:`BucketReceiver`) and, unless only the engine side lives in hotweights, ``Transport`` (a
+    :class:`WeightTransport`).
 
     Raises:
         ValueError: ``name`` is registered to another module.
@@ -65,12 +81,33 @@ def make_transport(name: str, **options: Any) -> WeightTransport:
     return transport
 
 
-def engine_side(descriptor: Descriptor) -> Any:
-    """The engine-side ``open_bucket`` function for a descriptor."""
-    name = descriptor.get("transport") if isinstance(descriptor, dict) else None
+def receiver_for(name: str) -> type[BucketReceiver]:
+    """The engine side of the transport ``name``.
+
+    Raises:
+        HotWeightsError: no transport of that name is registered (the message lists those that are).
+    """
+    receiver: type[BucketReceiver] = _module(name).Receiver
+    return receiver
+
+
+def parse_descriptor(wire: object) -> Descriptor:
+    """The typed descriptor of a wire form (a typed one is returned as it is): parsed by the descriptor type of the
+    transport its ``"transport"`` key names.
+
+    Raises:
+        MalformedDescriptorError: no transport name, or a field missing or of the wrong type.
+        HotWeightsError: an unknown transport name.
+    """
+    if isinstance(wire, Descriptor):
+        return wire
+    name = wire.get("transport") if isinstance(wire, dict) else None
     if not isinstance(name, str):
-        raise HotWeightsError(f"descriptor has no 'transport' name: keys {sorted(descriptor)}")
-    return _module(name).open_bucket
+        keys = sorted(map(str, wire)) if isinstance(wire, dict) else type(wire).__name__
+        raise MalformedDescriptorError(
+            f"descriptor has no 'transport' name: keys {keys}; send the descriptor a transport's send made"
+        )
+    return receiver_for(name).parse(wire)
 
 
 register_transport("shm", "hotweights.transports.shm")

@@ -5,15 +5,43 @@ Works wherever vLLM's RPC reaches, at the cost of the copies vLLM's message path
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 
 from hotweights.core.buckets import Bucket, pack_into
-from hotweights.transports.transport import Descriptor, Stage, WeightTransport
+from hotweights.transports.transport import (
+    BucketReceiver,
+    Descriptor,
+    MalformedDescriptorError,
+    Opened,
+    Stage,
+    WeightTransport,
+)
 
-__all__ = ["Transport", "open_bucket"]
+__all__ = ["BytesDescriptor", "Receiver", "Transport"]
+
+_BYTES_LIKE = (bytes, bytearray, memoryview)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class BytesDescriptor(Descriptor):
+    """The bucket's bytes themselves."""
+
+    transport: str = "bytes"
+    data: bytes | bytearray | memoryview
+    """The packed bucket (msgpack delivers ``bytes``; in this process it may stay a ``bytearray``)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not isinstance(self.data, _BYTES_LIKE):
+            raise _wrong_size(type(self.data).__name__, self.nbytes)
+
+
+def _wrong_size(got: object, nbytes: int) -> MalformedDescriptorError:
+    return MalformedDescriptorError(f"bytes payload has {got} bytes, the bucket declares {nbytes}")
 
 
 class Transport(WeightTransport):
@@ -33,16 +61,20 @@ class Transport(WeightTransport):
         data = bytearray(bucket.nbytes)
         if bucket.nbytes:
             pack_into(torch.frombuffer(data, dtype=torch.uint8), bucket, tensors)
-        stage({"transport": self.name, "data": data, "nbytes": bucket.nbytes})
+        stage(BytesDescriptor(data=data, nbytes=bucket.nbytes))
 
 
-def open_bucket(descriptor: Descriptor, worker: Any = None) -> tuple[torch.Tensor, Any]:
+class Receiver(BucketReceiver):
     """A writable buffer over the received bytes, size-checked against the bucket."""
-    data = descriptor["data"]
-    nbytes = int(descriptor["nbytes"])
-    size = memoryview(data).nbytes if isinstance(data, (bytes, bytearray, memoryview)) else None
-    if size != nbytes:
-        got = size if size is not None else type(data).__name__
-        raise ValueError(f"bytes payload has {got} bytes, the bucket declares {nbytes}")
-    buf = bytearray(data)
-    return torch.frombuffer(buf, dtype=torch.uint8, count=nbytes) if nbytes else torch.empty(0, dtype=torch.uint8), buf
+
+    descriptor = BytesDescriptor
+
+    @classmethod
+    def open(cls, descriptor: BytesDescriptor, worker: Any = None, bucket: Any = None, manifest: Any = None) -> Opened:
+        nbytes = descriptor.nbytes
+        size = memoryview(descriptor.data).nbytes
+        if size != nbytes:
+            raise _wrong_size(size, nbytes)
+        buf = bytearray(descriptor.data)
+        empty = torch.empty(0, dtype=torch.uint8)
+        return torch.frombuffer(buf, dtype=torch.uint8, count=nbytes) if nbytes else empty, buf

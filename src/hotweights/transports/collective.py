@@ -10,6 +10,7 @@ of step (a broadcast nobody received): the transport drops it and the next send 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import logging
 import math
@@ -19,7 +20,7 @@ import socket
 import sys
 import threading
 from collections.abc import Callable, Mapping
-from typing import Any, NoReturn
+from typing import Any, ClassVar, NoReturn
 
 import torch
 import torch.distributed
@@ -27,16 +28,17 @@ import torch.distributed
 from hotweights.core import attach
 from hotweights.core.buckets import Bucket, pack_into
 from hotweights.core.errors import HotWeightsError, HotWeightsTimeoutError, InstallError
-from hotweights.transports.transport import Descriptor, EngineLink, Stage, WeightTransport
+from hotweights.transports.transport import BucketReceiver, Descriptor, EngineLink, Opened, Stage, WeightTransport
 
 __all__ = [
     "MAX_TIMEOUT_S",
     "MAX_WORKERS",
+    "CollectiveDescriptor",
+    "Receiver",
     "Transport",
     "checked_join",
     "close_group",
     "create_group",
-    "open_bucket",
 ]
 
 log = logging.getLogger("hotweights")
@@ -71,6 +73,13 @@ def create_group(
         nccl_opts._timeout = td
         return dist.ProcessGroupNCCL(prefixed, rank, world_size, nccl_opts)
     raise HotWeightsError(f"unknown collective backend {backend!r}; use 'gloo' (CPU) or 'nccl' (GPU)")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CollectiveDescriptor(Descriptor):
+    """A bucket broadcast over the group the workers joined: only its size crosses the RPC."""
+
+    transport: str = "collective"
 
 
 class _Call:
@@ -126,6 +135,8 @@ class Transport(WeightTransport):
     """
 
     name = "collective"
+    #: What :meth:`send` stages for each bucket.
+    descriptor: ClassVar[type[CollectiveDescriptor]] = CollectiveDescriptor
 
     def __init__(
         self,
@@ -229,7 +240,7 @@ class Transport(WeightTransport):
         ended: queue.SimpleQueue[_Call] = queue.SimpleQueue()
         staging = _Call(
             f"the workers' stage call for bucket {bucket.index}",
-            lambda: stage({"transport": self.name, "nbytes": bucket.nbytes}),
+            lambda: stage(self.descriptor(nbytes=bucket.nbytes)),
             ended,
         )
         cast = _Call(f"broadcast of bucket {bucket.index}", broadcast, ended)
@@ -368,20 +379,26 @@ def close_group(worker: Any) -> bool:
     return had
 
 
-def open_bucket(descriptor: Descriptor, worker: Any = None) -> tuple[torch.Tensor, Any]:
+class Receiver(BucketReceiver):
     """Receive one bucket from the trainer's broadcast into a fresh buffer.
 
-    ``descriptor["nbytes"]`` is checked against the bucket and the manifest by the staging area before this is
-    called (:func:`~hotweights.core.buckets.bucket_problems`); here it only has to be a byte count.
+    ``descriptor.nbytes`` is checked against the bucket and the manifest by the staging area before this is called
+    (:func:`~hotweights.core.buckets.bucket_problems`).
     """
-    entry = attach.get(worker, "group")
-    if entry is None:
-        raise RuntimeError("no hotweights communicator on this worker; the trainer must connect the transport first")
-    nbytes = descriptor.get("nbytes")
-    if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
-        raise ValueError(f"collective descriptor needs a non-negative integer 'nbytes', got {nbytes!r}")
-    group, backend = entry
-    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
-    buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    group.broadcast(buffer, 0).wait()
-    return buffer, None
+
+    descriptor = CollectiveDescriptor
+
+    @classmethod
+    def open(
+        cls, descriptor: CollectiveDescriptor, worker: Any = None, bucket: Any = None, manifest: Any = None
+    ) -> Opened:
+        entry = attach.get(worker, "group")
+        if entry is None:
+            raise RuntimeError(
+                "no hotweights communicator on this worker; the trainer must connect the transport first"
+            )
+        group, backend = entry
+        device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+        buffer = torch.empty(descriptor.nbytes, dtype=torch.uint8, device=device)
+        group.broadcast(buffer, 0).wait()
+        return buffer, None

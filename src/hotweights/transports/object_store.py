@@ -10,15 +10,25 @@ the object store.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 
 from hotweights.core.buckets import Bucket, pack_into
-from hotweights.transports.transport import Descriptor, Stage, WeightTransport
+from hotweights.transports.transport import BucketReceiver, Descriptor, Opened, Stage, WeightTransport
 
-__all__ = ["Transport", "open_bucket"]
+__all__ = ["ObjectStoreDescriptor", "Receiver", "Transport"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ObjectStoreDescriptor(Descriptor):
+    """A bucket in Ray's object store (Ray carries the reference to the engine actor)."""
+
+    transport: str = "ray"
+    ref: Any
+    """The bucket's ``ray.ObjectRef``."""
 
 
 class Transport(WeightTransport):
@@ -38,14 +48,21 @@ class Transport(WeightTransport):
         ref = ray.put(data)
         del data  # the object store holds the bytes now
         try:
-            stage({"transport": self.name, "ref": ref, "nbytes": bucket.nbytes})
+            stage(ObjectStoreDescriptor(ref=ref, nbytes=bucket.nbytes))
         finally:
             del ref  # freed once every actor that fetched it let go
 
 
-def open_bucket(descriptor: Descriptor, worker: Any = None) -> tuple[torch.Tensor, Any]:
-    """Never called on a worker: the engine actor resolves ``"ray"`` descriptors before its workers see them."""
-    raise ValueError(
-        "a 'ray' bucket reached an engine worker directly: install into an engine hosted in a Ray actor through "
-        "hotweights.integrations.ray.engine(actor), whose actor fetches the bucket first"
-    )
+class Receiver(BucketReceiver):
+    """Refuses: the engine actor resolves ``"ray"`` descriptors before its workers see them."""
+
+    descriptor = ObjectStoreDescriptor
+
+    @classmethod
+    def open(
+        cls, descriptor: ObjectStoreDescriptor, worker: Any = None, bucket: Any = None, manifest: Any = None
+    ) -> Opened:
+        raise ValueError(
+            "a 'ray' bucket reached an engine worker directly: install into an engine hosted in a Ray actor through "
+            "hotweights.integrations.ray.engine(actor), whose actor fetches the bucket first"
+        )

@@ -15,6 +15,9 @@ With ``Transport(keep_segments=True)`` every bucket's shared memory stays mapped
 itself is unlinked once every worker has mapped it), and the next install writes into the same pages: no page
 faults on either side, and the segments are held until :meth:`Transport.close`: one per bucket (one update's
 worth), or a single one when the engine keeps no view of a bucket after its stage.
+
+The engine side, :class:`Receiver`, maps the file a :class:`ShmDescriptor` names (only a hotweights file of this
+user in ``SHM_DIR``).
 """
 
 from __future__ import annotations
@@ -36,10 +39,10 @@ import torch
 from hotweights.core.buckets import Bucket, byte_views, pack_into
 from hotweights.transports import shm_files
 from hotweights.transports.shm_files import SHM_DIR, sweep_stale
-from hotweights.transports.shm_writes import BucketFile, write_views
-from hotweights.transports.transport import Descriptor, EngineLink, Stage, WeightTransport
+from hotweights.transports.shm_writes import BucketFile, ShmDescriptor, write_views
+from hotweights.transports.transport import BucketReceiver, EngineLink, Opened, Stage, WeightTransport
 
-__all__ = ["REUSE_BUDGET", "REUSE_ENV", "Transport", "open_bucket", "published"]
+__all__ = ["REUSE_BUDGET", "REUSE_ENV", "Receiver", "ShmDescriptor", "Transport", "published"]
 
 logger = logging.getLogger("hotweights")
 
@@ -192,14 +195,12 @@ class Transport(WeightTransport):
         return not (self.keep_segments and self._one_segment)
 
     def connect(self, engine: EngineLink) -> None:
-        """Keep ``engine`` to release the workers' segments through; where the link offers
-        ``on_shutdown(callback)``, everything this transport holds goes when the engine stops."""
+        """Keep ``engine`` to release the workers' segments through; everything this transport holds goes when
+        the engine stops (``engine.on_shutdown``)."""
         self._engine = engine
         # An engine that keeps no view of a bucket after its stage lets one segment carry every bucket.
-        self._one_segment = bool(getattr(engine, "releases_buckets_after_stage", False))
-        on_shutdown = getattr(engine, "on_shutdown", None)
-        if callable(on_shutdown):
-            on_shutdown(_released_by(self))
+        self._one_segment = engine.releases_buckets_after_stage
+        engine.on_shutdown(_released_by(self))
 
     def close(self) -> None:
         """Remove the reused bucket files; unmap the kept segments here and ask the workers to unmap theirs (a
@@ -303,7 +304,7 @@ class Transport(WeightTransport):
         pack_into(buffer, bucket, tensors)
         del buffer
         try:
-            stage({"transport": self.name, "path": str(seg.path), "nbytes": bucket.nbytes, "segment": seg.id})
+            stage(ShmDescriptor(path=str(seg.path), nbytes=bucket.nbytes, segment=seg.id))
         except BaseException:
             self._drop(slot)  # a worker may or may not have mapped it: start afresh next time
             raise
@@ -325,9 +326,10 @@ class Transport(WeightTransport):
 
 
 @contextlib.contextmanager
-def published(data: memoryview) -> Iterator[Descriptor]:
+def published(data: memoryview) -> Iterator[dict[str, Any]]:
     """``data`` (one packed bucket, e.g. fetched from elsewhere) in a fresh private file that this host's workers
-    map; its descriptor, and the file removed on exit."""
+    map; its descriptor's wire form (for a caller below the wire, such as an engine actor), and the file removed on
+    exit."""
     _, path, fd = shm_files.new_file(max(data.nbytes, 1))
     try:
         try:
@@ -335,7 +337,7 @@ def published(data: memoryview) -> Iterator[Descriptor]:
                 write_views(fd, [data.cast("B")])
         finally:
             os.close(fd)
-        yield {"transport": "shm", "path": str(path), "nbytes": data.nbytes}
+        yield ShmDescriptor(path=str(path), nbytes=data.nbytes).to_wire()
     finally:
         shm_files.remove(path)
 
@@ -356,8 +358,7 @@ def _released_by(transport: Transport) -> Callable[[], None]:
     return release
 
 
-def _open_kept(descriptor: Descriptor, path: Path, nbytes: int, worker: Any) -> tuple[torch.Tensor, Any]:
-    sid = str(descriptor["segment"])
+def _open_kept(sid: str, path: Path, nbytes: int, worker: Any) -> Opened:
     if not _SEGMENT_ID.fullmatch(sid) or not path.name.endswith(f"-{sid}"):
         raise ValueError(f"refusing segment {sid!r}: not the id in {path.name}")
     segments = shm_files.kept_segments(worker)
@@ -391,28 +392,33 @@ def _populate(mm: mmap.mmap, nbytes: int) -> None:
             mm.madvise(_MADV_POPULATE_READ, 0, nbytes)
 
 
-def open_bucket(descriptor: Descriptor, worker: Any = None) -> tuple[torch.Tensor, Any]:
+class Receiver(BucketReceiver):
     """Map a bucket file copy-on-write; the mapping stays valid after the trainer unlinks the file.
 
-    A descriptor with a ``"segment"`` id is a kept segment: mapped shared the first time, kept on ``worker`` and
+    A descriptor with a ``segment`` id is a kept segment: mapped shared the first time, kept on ``worker`` and
     reused by later installs (see :class:`Transport`'s ``keep_segments``).
     """
-    path = Path(str(descriptor["path"]))
-    nbytes = int(descriptor["nbytes"])
-    if not shm_files.is_segment(path):
-        raise ValueError(f"refusing to map {path}: not a hotweights segment in {SHM_DIR}")
-    path = SHM_DIR / path.name
-    if "segment" in descriptor:
-        if worker is None:
-            raise ValueError("a kept shm segment needs a worker to keep its mapping on")
-        return _open_kept(descriptor, path, nbytes, worker)
-    fd = shm_files.open_segment(path, os.O_RDONLY)
-    try:
-        if os.fstat(fd).st_size < nbytes:
-            raise ValueError(f"{path} holds {os.fstat(fd).st_size} bytes, the bucket needs {nbytes}")
-        mm = mmap.mmap(fd, max(nbytes, 1), access=mmap.ACCESS_COPY)
-    finally:
-        os.close(fd)
-    _populate(mm, nbytes)
-    buffer = torch.frombuffer(mm, dtype=torch.uint8, count=nbytes) if nbytes else torch.empty(0, dtype=torch.uint8)
-    return buffer, mm
+
+    descriptor = ShmDescriptor
+
+    @classmethod
+    def open(cls, descriptor: ShmDescriptor, worker: Any = None, bucket: Any = None, manifest: Any = None) -> Opened:
+        path = Path(descriptor.path)
+        nbytes = descriptor.nbytes
+        if not shm_files.is_segment(path):
+            raise ValueError(f"refusing to map {path}: not a hotweights segment in {SHM_DIR}")
+        path = SHM_DIR / path.name
+        if descriptor.segment is not None:
+            if worker is None:
+                raise ValueError("a kept shm segment needs a worker to keep its mapping on")
+            return _open_kept(descriptor.segment, path, nbytes, worker)
+        fd = shm_files.open_segment(path, os.O_RDONLY)
+        try:
+            if os.fstat(fd).st_size < nbytes:
+                raise ValueError(f"{path} holds {os.fstat(fd).st_size} bytes, the bucket needs {nbytes}")
+            mm = mmap.mmap(fd, max(nbytes, 1), access=mmap.ACCESS_COPY)
+        finally:
+            os.close(fd)
+        _populate(mm, nbytes)
+        empty = torch.empty(0, dtype=torch.uint8)
+        return torch.frombuffer(mm, dtype=torch.uint8, count=nbytes) if nbytes else empty, mm

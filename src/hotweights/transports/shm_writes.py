@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import os
 from collections.abc import Iterator, Sequence
@@ -15,7 +16,25 @@ import torch
 from hotweights.transports.shm_files import SHM_DIR, is_segment, open_segment
 from hotweights.transports.transport import Descriptor
 
-__all__ = ["BucketFile", "opened_for_writes", "write_at", "write_views"]
+__all__ = ["BucketFile", "ShmDescriptor", "opened_for_writes", "write_at", "write_views"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ShmDescriptor(Descriptor):
+    """A bucket in a hotweights file of ``SHM_DIR`` (the shm transport's; the receiver maps only those)."""
+
+    transport: str = "shm"
+    path: str
+    """The file, ``SHM_DIR/hotweights-<pid>-<id>``."""
+    segment: str | None = None
+    """A kept segment's id (``keep_segments=True``): mapped shared once and kept by the worker."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        fix = "send the descriptor the shm transport's send made"
+        self.require("path", isinstance(self.path, str), "a string", fix)
+        self.require("segment", self.segment is None or isinstance(self.segment, str), "a string (or no)", fix)
+
 
 _IOV_MAX = os.sysconf("SC_IOV_MAX") if "SC_IOV_MAX" in os.sysconf_names else 1024
 
@@ -44,7 +63,7 @@ class BucketFile:
     def __init__(self, path: Path, fd: int, size: int, nbytes: int | None = None) -> None:
         self.path, self.fd, self.size = str(path), fd, size
         nbytes = size if nbytes is None else nbytes
-        self.descriptor: Descriptor = {"transport": "shm", "path": self.path, "nbytes": nbytes}
+        self.descriptor = ShmDescriptor(path=self.path, nbytes=nbytes)
         """What stages the bucket written into this file."""
 
     def write(self, data: torch.Tensor, offset: int, shape: Sequence[int], dim: int = 0, start: int = 0) -> None:

@@ -15,6 +15,7 @@ gloo (:func:`hotweights.vllm.nccl_gloo.nccl_transfer_as`): how the suite proves 
 
 from __future__ import annotations
 
+import dataclasses
 import socket
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -26,24 +27,33 @@ from hotweights.core.buckets import Bucket
 from hotweights.core.errors import EngineNotSupportedError
 from hotweights.core.manifest import WeightUpdateManifest
 from hotweights.transports import collective
-from hotweights.transports.transport import Descriptor, receives_bucket
+from hotweights.transports.transport import BucketReceiver, Opened
 from hotweights.vllm.nccl_gloo import nccl_transfer_as
 
 __all__ = [
     "MAX_BUFFERS",
     "MAX_BUFFER_BYTES",
     "BucketTarget",
+    "Receiver",
     "Transport",
+    "VllmNcclDescriptor",
     "join",
     "joined",
     "leave",
-    "open_bucket",
 ]
 
 #: The largest packed buffer, and the most buffers, a worker accepts from a trainer (it allocates both).
 MAX_BUFFER_BYTES = 1 << 30
 MAX_BUFFERS = 4
 _KEY = "vllm_nccl"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class VllmNcclDescriptor(collective.CollectiveDescriptor):
+    """A bucket vLLM's NCCL engine receives: only its size crosses the RPC; the bucket and its manifest name the
+    tensors."""
+
+    transport: str = "vllm_nccl"
 
 
 class Transport(collective.Transport):
@@ -58,6 +68,7 @@ class Transport(collective.Transport):
     """
 
     name = "vllm_nccl"
+    descriptor = VllmNcclDescriptor
 
     def __init__(
         self,
@@ -219,13 +230,27 @@ class BucketTarget:
         return [n for n in self.entries if n not in self.received]
 
 
-@receives_bucket
-def open_bucket(
-    descriptor: Descriptor, owner: Any, bucket: Bucket, manifest: WeightUpdateManifest
-) -> tuple[torch.Tensor, Any]:
+class Receiver(BucketReceiver):
     """Receive one bucket with vLLM's NCCL engine. What it receives is named by the bucket and the manifest (both
     checked by the staging area already), never by the trainer: the engine allocates only vLLM's packed buffers of
     the geometry it accepted at ``join``, and the bucket's bytes."""
+
+    descriptor = VllmNcclDescriptor
+
+    @classmethod
+    def open(
+        cls,
+        descriptor: VllmNcclDescriptor,
+        worker: Any = None,
+        bucket: Bucket | None = None,
+        manifest: WeightUpdateManifest | None = None,
+    ) -> Opened:
+        if bucket is None or manifest is None:
+            raise ValueError("vLLM's NCCL engine receives a bucket named by its bucket and manifest: pass both")
+        return _receive(worker, bucket, manifest)
+
+
+def _receive(owner: Any, bucket: Bucket, manifest: WeightUpdateManifest) -> Opened:
     entry = attach.get(owner, _KEY)
     if entry is None:
         raise EngineNotSupportedError(

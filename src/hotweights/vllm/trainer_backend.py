@@ -36,7 +36,7 @@ from vllm.distributed.weight_transfer.base import TrainerInitInfo, TrainerWeight
 from hotweights.core import envelope
 from hotweights.core.buckets import Bucket, plan_buckets
 from hotweights.core.manifest import TensorSpec, WeightUpdateManifest
-from hotweights.transports import WeightTransport, make_transport
+from hotweights.transports import Descriptor, EngineLink, WeightTransport, make_transport, wire_of
 from hotweights.vllm.plugin import BACKEND
 from hotweights.vllm.worker.session import SessionOptions
 
@@ -60,10 +60,12 @@ class HotWeightsTrainerInitInfo(TrainerInitInfo):
     """Stage tensors that hold NaN or Inf (refused by the engine's workers by default)."""
 
 
-class _ClientLink:
+class _ClientLink(EngineLink):
     """The :class:`~hotweights.transports.EngineLink` a transport connects through: the engine behind a client."""
 
-    num_workers = 1
+    @property
+    def num_workers(self) -> int:
+        return 1
 
     def engine_op(self, op: str, **args: Any) -> list[Any]:
         raise NotImplementedError(f"vLLM's weight-sync client carries no worker operation ({op!r})")
@@ -138,10 +140,11 @@ class HotWeightsTrainerEngine(TrainerWeightTransferEngine[HotWeightsTrainerInitI
                 version,
             )
 
-    def _stage(self, update: str) -> Callable[[Bucket], Callable[[dict[str, Any]], None]]:
-        def deliver(bucket: Bucket) -> Callable[[dict[str, Any]], None]:
-            def stage(descriptor: dict[str, Any]) -> None:
-                info = {"update_id": update, "bucket_json": bucket.model_dump_json(), "descriptor": descriptor}
+    def _stage(self, update: str) -> Callable[[Bucket], Callable[[Descriptor], None]]:
+        def deliver(bucket: Bucket) -> Callable[[Descriptor], None]:
+            def stage(descriptor: Descriptor) -> None:
+                wire = wire_of(descriptor)
+                info = {"update_id": update, "bucket_json": bucket.model_dump_json(), "descriptor": wire}
                 self.client.update_weights(info)
 
             return stage

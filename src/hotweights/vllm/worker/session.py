@@ -37,6 +37,7 @@ from hotweights.core.errors import (
     WeightManifestValidationError,
 )
 from hotweights.core.manifest import WeightUpdateManifest
+from hotweights.transports import Descriptor
 from hotweights.vllm.worker import kept_base as delta_state
 from hotweights.vllm.worker.expiry import StagingExpiry
 from hotweights.vllm.worker.staging import InstallSession, StagingArea
@@ -196,7 +197,7 @@ class WorkerSession:
             self.staging.session.check_finite = not options.allow_nonfinite
 
     @_locked
-    def stage(self, update_id: str, bucket_json: str, descriptor: dict[str, Any]) -> int:
+    def stage(self, update_id: str, bucket_json: str, descriptor: Descriptor | dict[str, Any]) -> int:
         """Receive one bucket through its transport and check it against the manifest; returns the bytes staged."""
         return self.staging.stage(update_id, bucket_json, descriptor)
 

@@ -1,11 +1,14 @@
 """Staging of an install on the engine side: buckets are received and checked aside, the model is untouched.
 
 The staging area of :class:`~hotweights.vllm.worker.session.WorkerSession`, so of every engine kind that runs the
-install session (the worker extension, the vLLM weight-transfer backend, an in-process worker): ``begin``
-(manifest, checked against the checkpoint the worker serves) -> ``stage`` per bucket (an in-process install stages
-every tensor at once, by reference: ``stage_by_reference``) -> ``take`` (every tensor, in manifest order, only if
-all arrived) or ``abort``. A session opened with a :class:`~hotweights.vllm.worker.streaming.Stream` hands each checked
-bucket to it instead of keeping it (``finish_stream`` then closes the stream).
+install session (the worker extension, the vLLM weight-transfer backend, an in-process worker): ``begin`` (manifest,
+checked against the checkpoint the worker serves) -> ``stage`` per bucket (an in-process install stages every tensor
+at once, by reference: ``stage_by_reference``) -> ``take`` (every tensor, in manifest order, only if all arrived) or
+``abort``. ``stage`` is where a worker receives a transport's descriptor: it is parsed here, once, into its
+transport's type (:func:`~hotweights.transports.parse_descriptor`), and a malformed one is refused
+(:class:`~hotweights.transports.MalformedDescriptorError`) before anything is received. A session opened with a
+:class:`~hotweights.vllm.worker.streaming.Stream` hands each checked bucket to it instead of keeping it
+(``finish_stream`` then closes the stream).
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from hotweights.core.buckets import Bucket, bucket_problems, unpack, unpack_part
 from hotweights.core.cast import uncast
 from hotweights.core.finite import check_finite
 from hotweights.core.manifest import WeightUpdateManifest
-from hotweights.transports import engine_side
+from hotweights.transports import Descriptor, MalformedDescriptorError, parse_descriptor, receiver_for
 from hotweights.vllm.expected import check_manifest
 
 if TYPE_CHECKING:
@@ -111,8 +114,9 @@ class StagingArea:
             raise RuntimeError(f"no open install session {update_id!r} on this worker (open: {active!r})")
         return session
 
-    def stage(self, update_id: str, bucket_json: str, descriptor: dict[str, Any]) -> int:
-        """Receive one bucket through its transport and keep its tensors aside; returns the bytes staged."""
+    def stage(self, update_id: str, bucket_json: str, descriptor: Descriptor | dict[str, Any]) -> int:
+        """Receive one bucket through its transport and keep its tensors aside; returns the bytes staged.
+        ``descriptor``: its wire form (or, in the trainer's process, the typed descriptor itself)."""
         session = self.current(update_id)
         try:
             bucket = Bucket.model_validate_json(bucket_json)
@@ -120,10 +124,7 @@ class StagingArea:
             raise ValueError(
                 f"malformed bucket description: {exc.error_count()} error(s): {exc.errors()[:3]}"
             ) from None
-        nbytes = descriptor.get("nbytes") if isinstance(descriptor, dict) else None
-        if not isinstance(nbytes, int) or isinstance(nbytes, bool):
-            got = reprlib.repr(descriptor)  # bounded: a caller's descriptor may be huge or deeply nested
-            raise ValueError(f"malformed descriptor: expected a dict with an integer 'nbytes', got {got}")
+        nbytes = _declared_bytes(descriptor)
         # Bound everything by the manifest before the transport allocates or reads a byte.
         problems = bucket_problems(bucket, session.manifest, nbytes)
         problems += [f"{e.name!r} was already staged" for e in bucket.entries if e.name in session.received]
@@ -134,15 +135,11 @@ class StagingArea:
         ]
         if problems:
             raise ValueError(f"bucket {bucket.index} refused before receiving: " + "; ".join(problems))
+        typed = parse_descriptor(descriptor)
         try:
-            opener = engine_side(descriptor)
-            if getattr(opener, "receives_bucket", False):
-                buffer, keepalive = opener(descriptor, self.owner, bucket, session.manifest)
-            else:
-                buffer, keepalive = opener(descriptor, self.owner)
+            buffer, keepalive = receiver_for(typed.transport).open(typed, self.owner, bucket, session.manifest)
         except (KeyError, TypeError, AttributeError, OverflowError, AssertionError, RuntimeError) as exc:
-            name = descriptor.get("transport")
-            raise ValueError(f"malformed {name!r} descriptor: {type(exc).__name__}: {exc}") from None
+            raise ValueError(f"malformed {typed.transport!r} descriptor: {type(exc).__name__}: {exc}") from None
         tensors = dict(unpack(buffer, bucket, session.manifest, checked=True))
         tensors.update(_assemble(session, unpack_parts(buffer, bucket, session.manifest)))
         bad = session.manifest.digest_mismatches(tensors)
@@ -226,6 +223,18 @@ class StagingArea:
         if session.stream is not None:
             session.stream.abort()
         return True
+
+
+def _declared_bytes(descriptor: object) -> int:
+    """The bucket size a descriptor declares, read before anything else of it: the bucket is checked against its
+    manifest at that size before the descriptor is parsed for its transport."""
+    nbytes = descriptor.nbytes if isinstance(descriptor, Descriptor) else None
+    if isinstance(descriptor, dict):
+        nbytes = descriptor.get("nbytes")
+    if not isinstance(nbytes, int) or isinstance(nbytes, bool):
+        got = reprlib.repr(descriptor)  # bounded: a caller's descriptor may be huge or deeply nested
+        raise MalformedDescriptorError(f"malformed descriptor: expected a dict with an integer 'nbytes', got {got}")
+    return nbytes
 
 
 def _overlaps(rows: tuple[int, int], staged: list[tuple[int, int]]) -> bool:
