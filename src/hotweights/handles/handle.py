@@ -2,10 +2,13 @@
 
 An adapter (how weights are installed: layerwise reload, direct setter, vLLM's weight-transfer API, a checkpoint
 path) and a transport (how bytes travel: shm, bytes, collective, cuda_ipc) never ask which kind of engine they
-hold. They ask its handle to call a worker method, to keep generation off the weights while they write, to reset
-the prefix cache, to record the version, and what weights it expects. One handle per engine kind: a
-``vllm.LLM`` (:mod:`~hotweights.handles.llm`), an ``AsyncLLM`` (:mod:`~hotweights.handles.async_llm`), a remote
-``vllm serve`` process.
+hold. They ask its handle to keep generation off the weights while they write, to reset the prefix cache, to record
+the version and what weights it expects, and its parts the rest: :attr:`~EngineHandle.facts` what the engine is,
+:attr:`~EngineHandle.workers` to call a worker method, :attr:`~EngineHandle.pausing`, :attr:`~EngineHandle.lora`
+and :attr:`~EngineHandle.model` (:mod:`~hotweights.handles.workers`, :mod:`~hotweights.handles.parts`). One handle
+per engine kind: a ``vllm.LLM`` (:mod:`~hotweights.handles.llm`), an ``AsyncLLM``
+(:mod:`~hotweights.handles.async_llm`), a remote ``vllm serve`` process (:mod:`~hotweights.handles.remote`), an
+engine in a Ray actor (:mod:`~hotweights.handles.actor`).
 
 A handle also holds the state of its engine that every adapter on it shares: the serving gate, the active version
 (:attr:`EngineHandle.active_version`, seeded from the version the engine recorded) and the trainer's delta base
