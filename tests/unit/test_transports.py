@@ -891,12 +891,17 @@ class TestWorkerExtension:
 class _RecordingStream:
     """Stands in for a model stream: records what the session hands it (pure session logic, no engine)."""
 
+    builds_aside = False
+
     def __init__(self) -> None:
         self.fed: list[list[str]] = []
         self.events: list[str] = []
 
     def feed(self, tensors: dict[str, torch.Tensor]) -> None:
         self.fed.append(list(tensors))
+
+    def prepare(self) -> None:
+        pass
 
     def finish(self) -> int:
         self.events.append("finish")

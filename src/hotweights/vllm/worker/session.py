@@ -312,9 +312,7 @@ class WorkerSession:
         session = self.staging.current(update_id)
         if session.stream is not None:
             self.staging.check_complete(update_id)
-            prepare = getattr(session.stream, "prepare", None)
-            if callable(prepare):  # a stream into a twin of the model finishes it here, nothing live touched
-                prepare()
+            session.stream.prepare()  # a stream into a twin of the model finishes it here, nothing live touched
             return session, ()
         items, session = self.staging.take(update_id)
         return session, items

@@ -170,7 +170,7 @@ class StagingArea:
         from hotweights.core.cast import item_names
 
         session = self.current(update_id)
-        aside = getattr(session.stream, "builds_aside", False)
+        aside = session.stream is not None and session.stream.builds_aside
         if (session.stream is not None and not aside) or session.received:
             raise RuntimeError(f"update {update_id}: tensors by reference go into an atomic session, all at once")
         names = item_names(tensors)

@@ -32,6 +32,14 @@ __all__ = ["DirectStream", "ReloadStream", "Stream", "open_stream"]
 class Stream(Protocol):
     """What a streaming session does with each checked bucket."""
 
+    #: Whether the stream builds the update aside, in a twin of the model (an atomic session whose tensors go into
+    #: it as they are staged, by reference too), rather than into the live model.
+    builds_aside: bool
+
+    def prepare(self) -> None:
+        """Once every tensor was fed, finish what needs no live write (a twin's last layers); nothing live is
+        touched."""
+
     def feed(self, tensors: dict[str, torch.Tensor]) -> None:
         """Install these tensors (all of one bucket) into the live model, or hold the parts of incomplete layers."""
 
@@ -60,6 +68,8 @@ def open_stream(worker: Any, manifest: WeightUpdateManifest, method: str, *, kv_
 class ReloadStream:
     """vLLM's layerwise reload, opened with the first bucket and fed one bucket at a time."""
 
+    builds_aside = False
+
     def __init__(self, worker: Any, *, kv_reclaimable: bool = False) -> None:
         self.worker = worker
         self.model = worker_ops.worker_model(worker)
@@ -80,6 +90,9 @@ class ReloadStream:
         # Views into the received bucket: a layer still waiting for parts keeps them (and so the bucket) alive.
         self.model.load_weights(iter(tensors.items()))  # type: ignore[operator]
 
+    def prepare(self) -> None:
+        """Nothing to finish aside: the reload writes the live model."""
+
     def finish(self) -> int:
         with self.loan:
             if self.opened:
@@ -95,6 +108,8 @@ class ReloadStream:
 
 class DirectStream:
     """The direct setter, applied parameter by parameter as their parts arrive."""
+
+    builds_aside = False
 
     def __init__(self, worker: Any, manifest: WeightUpdateManifest) -> None:
         self.worker = worker
@@ -123,6 +138,9 @@ class DirectStream:
         # this stream holds no view of it, so the sender may reuse its memory for the next bucket.
         for name in tensors.keys() & self.pending.keys():
             self.pending[name] = self.pending[name].clone()
+
+    def prepare(self) -> None:
+        """Nothing to finish aside: each parameter went into the live model as it completed."""
 
     def finish(self) -> int:
         if self.waiting:
