@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib
 import inspect
 import json
 import math
@@ -68,6 +69,7 @@ from hotweights.core.delta_wire import DeltaManifest
 from hotweights.core.manifest import ExpectedWeights, TensorSpec
 from hotweights.serve_guard import COLLECTIVE_RPC, GuardConfig, Refusal, check_body
 from hotweights.transports import collective, shm, shm_files
+from hotweights.vllm import compat
 from hotweights.vllm.expected import expected_from_config
 from hotweights.vllm.worker import ops as worker_ops
 from hotweights.vllm.worker import staging as staging_mod
@@ -163,6 +165,10 @@ class Fixture:
 def fx(tmp_path_factory: pytest.TempPathFactory) -> Fixture:
     model_dir = tmp_path_factory.mktemp("fuzz-rpc-model")
     save_file(CHECKPOINT, str(model_dir / "model.safetensors"))
+    # what a worker did long before any call reaches it: vLLM resolved its platform and imported its request types
+    # (both run `uname`/`file` in a subprocess on first use, which opens /dev/null: not the call's doing)
+    compat.device_kind()
+    importlib.import_module("vllm.sampling_params")
     model_config = FuzzWorker(model_dir).vllm_config.model_config
     expected = expected_from_config(model_config)
     assert expected is not None
