@@ -11,11 +11,17 @@ later installs in each setting and their ratio, and ``check_family``'s own time 
 that returns logprobs has (vLLM compiles its logprob ranking on the first such request, ~1.7 s here; a cold engine
 pays that inside the probe).
 
+``--first N``: what the guard adds to the install it guards: N rounds, each starting a fresh engine per setting
+(proven, then unproven) and timing its first install, the one an unproven family is probed on; reported: the medians
+of the first installs, the guard's share (unproven minus proven, against proven), and the unproven install's
+``validate`` (the reference built and scored) and ``family_probe`` (the engine scoring it) phases.
+
 ``--reference``: the probe's reference alone, for the sent tensors' and the engine's dtypes (fp32 -> fp32, fp32 ->
 bf16, bf16 -> bf16), each in a process of its own: its time and its peak resident memory above what the process held
 before (sampled every 2 ms), against the model's size.
 
-Run: ``.venv/bin/python benchmarks/bench_guard.py [--rounds 20] [--size full|tiny] [--warm] [--reference]``.
+Run: ``.venv/bin/python benchmarks/bench_guard.py [--rounds 20] [--size full|tiny] [--warm] [--first N]
+[--reference]``.
 """
 
 from __future__ import annotations
@@ -91,14 +97,56 @@ def reference_case(case: str, size: str) -> None:
     )
 
 
+def first_installs(rounds: int, size: str, warm: bool) -> None:
+    """The first install into fresh engines, proven and unproven in turn (see ``--first``)."""
+    from hotweights.vllm.scoring import score
+
+    models = [build_tiny_model("qwen2", seed=s, **SIZES[size]) for s in (1, 2)]
+    sent = dict(models[1].state_dict())
+    proven = families.PROVEN
+    seconds: dict[str, list[float]] = {"proven": [], "unproven": []}
+    phases: dict[str, list[float]] = {"validate": [], "family_probe": []}
+    with tempfile.TemporaryDirectory(prefix="hotweights-bench-guard-") as tmp:
+        path = save_tiny_model(models[0], Path(tmp) / "a")
+        try:
+            for setting in ("proven", "unproven") * rounds:
+                llm = start_engine(path, max_model_len=64)
+                try:
+                    if warm:
+                        score(llm, [2, 3, 4, 5])
+                    families.PROVEN = {} if setting == "unproven" else proven
+                    t0 = time.perf_counter()
+                    report = hotweights.install(llm, sent, weight_version=1)
+                    seconds[setting].append(time.perf_counter() - t0)
+                    if setting == "unproven":
+                        assert "family_probe" in report.phases, report.phases
+                        for phase in phases:
+                            phases[phase].append(report.phases[phase])
+                finally:
+                    families.PROVEN = proven
+                    stop_engine(llm)
+        finally:
+            families.PROVEN = proven
+    med = {k: statistics.median(v) * 1e3 for k, v in {**seconds, **phases}.items()}
+    guard = med["unproven"] - med["proven"]
+    print(f"first install into a fresh {'warm' if warm else 'cold'} engine, medians of {rounds}: proven "
+          f"{med['proven']:.0f} ms, unproven {med['unproven']:.0f} ms: the guard adds {guard:.0f} ms "
+          f"({guard / med['proven']:.2f}x the install); validate {med['validate']:.0f} ms (the reference), "
+          f"family_probe {med['family_probe']:.0f} ms (the engine scoring it)")  # fmt: skip
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--size", choices=sorted(SIZES), default="full")
     parser.add_argument("--warm", action="store_true", help="one prompt_logprobs request before the first install")
     parser.add_argument("--reference", action="store_true", help="the reference's time and memory, per dtype")
+    parser.add_argument("--first", type=int, metavar="N", help="N first installs into fresh engines per setting")
     parser.add_argument("--reference-case", choices=sorted(CASES), help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.first:
+        first_installs(args.first, args.size, args.warm)
+        return 0
     if args.reference_case:
         reference_case(args.reference_case, args.size)
         return 0
