@@ -89,10 +89,19 @@ def test_a_failed_stage_stops_every_later_stage_and_raises_its_error() -> None:
 
 
 def test_a_failed_pack_stops_the_pipeline_and_later_sends_clean_up() -> None:
-    rec = Recorder(pack_s=lambda i: 0.03 if i == 1 else 0.0, fail_pack=1)
+    rec = Recorder(fail_pack=1)
     staged: list[int] = []
+    later_packing = threading.Event()
+
+    def send(item: int, stage: Callable[[str], None]) -> None:
+        if item > 1:
+            later_packing.set()
+        elif item == 1:
+            assert later_packing.wait(10)  # pack 1 fails while a later send is under way (however loaded the machine)
+        rec.send(item, stage)
+
     with pytest.raises(OSError, match="pack 1 failed"):
-        send_pipelined(list(range(6)), rec.send, lambda i, d: staged.append(i), depth=3)
+        send_pipelined(list(range(6)), send, lambda i, d: staged.append(i), depth=3)
     assert staged == [0]
     # the sends packed meanwhile were stopped at their turn, and their transport cleaned up
     assert set(rec.cleaned) - {1} and all(i > 1 for i in set(rec.cleaned) - {1})
