@@ -224,7 +224,7 @@ def _install_lora(
 
 def _load(handle: EngineHandle, name: str, lora_id: int, directory: Path, slot: _Slot | None) -> None:
     try:
-        handle.lora.load(name, lora_id, str(directory))
+        handle.lora.load_adapter(name, lora_id, str(directory))
     except HotWeightsError:
         raise
     except Exception as exc:
@@ -245,7 +245,7 @@ def _retire(handle: EngineHandle, name: str, slot: _Slot | None) -> _Slot | None
         previous[name] = slot
     if retired is not None:
         with best_effort(f"remove LoRA adapter {name!r} v{retired.version} from the engine"):
-            handle.lora.unload(retired.lora_id)
+            handle.lora.unload_adapter(retired.lora_id)
     return retired
 
 

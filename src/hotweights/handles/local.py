@@ -118,11 +118,11 @@ class LocalLora(LoraOps):
     def max_rank(self) -> int | None:
         return introspect.max_lora_rank(self.engine)
 
-    def load(self, name: str, lora_id: int, path: str) -> None:
+    def load_adapter(self, name: str, lora_id: int, path: str) -> None:
         request = introspect.lora_request(name, lora_id, path, replace=True)
         self.drive(introspect.llm_engine(self.engine).add_lora(request), SHORT_TIMEOUT, "add_lora")
 
-    def unload(self, lora_id: int) -> None:
+    def unload_adapter(self, lora_id: int) -> None:
         self.drive(introspect.llm_engine(self.engine).remove_lora(lora_id), SHORT_TIMEOUT, "remove_lora")
 
 

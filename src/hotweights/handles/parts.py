@@ -65,12 +65,12 @@ class LoraOps:
         """The largest LoRA rank the engine takes; None where it was started without LoRA (``enable_lora``)."""
         return None
 
-    def load(self, name: str, lora_id: int, path: str) -> None:
+    def load_adapter(self, name: str, lora_id: int, path: str) -> None:
         """Load the LoRA adapter saved in ``path`` as ``name`` (id ``lora_id``), replacing the one of that id: vLLM
         loads the new one first and keeps the old one if that fails."""
         raise EngineNotSupportedError("hotweights cannot install LoRA adapters into this engine")
 
-    def unload(self, lora_id: int) -> None:
+    def unload_adapter(self, lora_id: int) -> None:
         """Unload the LoRA adapter of id ``lora_id`` (one hotweights loaded)."""
         raise EngineNotSupportedError("hotweights cannot remove LoRA adapters from this engine")
 
