@@ -129,15 +129,22 @@ class _ActorSide:
     def _resolve(self, arg: Any, stack: ExitStack) -> Any:
         """A ``"ray"`` descriptor becomes one this engine's workers open: the bytes fetched from the object store
         (zero-copy on this node), by reference in-process or in a shared-memory file of this host."""
-        if not (isinstance(arg, dict) and arg.get("transport") == "ray"):
-            return arg
+        from hotweights.transports import MalformedDescriptorError
+        from hotweights.transports.object_store import ObjectStoreDescriptor
+
+        try:
+            sent = ObjectStoreDescriptor.from_wire(arg)
+        except MalformedDescriptorError:
+            return arg  # not a bucket in the object store: passed on as it is
         import ray
 
-        data = memoryview(ray.get(arg["ref"]))  # type: ignore[arg-type]  # a read-only numpy array
-        if data.nbytes != int(arg["nbytes"]):
-            raise ValueError(f"ray bucket has {data.nbytes} bytes, its descriptor declares {arg['nbytes']}")
+        data = memoryview(ray.get(sent.ref))  # a read-only numpy array
+        if data.nbytes != sent.nbytes:
+            raise ValueError(f"ray bucket has {data.nbytes} bytes, its descriptor declares {sent.nbytes}")
         if self.handle.facts.inprocess:
-            return {"transport": "bytes", "data": data, "nbytes": data.nbytes}
+            from hotweights.transports.bytes import BytesDescriptor
+
+            return BytesDescriptor(data=data, nbytes=data.nbytes).to_wire()
         from hotweights.transports.shm import published
 
         return stack.enter_context(published(data))
