@@ -43,6 +43,7 @@ __all__ = [
     "Opened",
     "Stage",
     "WeightTransport",
+    "wire_of",
 ]
 
 D = TypeVar("D", bound="Descriptor")
@@ -116,8 +117,8 @@ class Descriptor:
         return cls(**{f.name: wire[f.name] for f in fields if f.name in wire})
 
     def require(self, field: str, ok: bool, what: str, fix: str) -> None:
-        """Raise :class:`MalformedDescriptorError` unless ``ok``: ``field`` must be
-        ``what``; ``fix`` says what to send instead."""
+        """Raise :class:`MalformedDescriptorError` unless ``ok``: ``field`` must be ``what``; ``fix`` says what to
+        send instead."""
         if not ok:
             got = reprlib.repr(getattr(self, field, None))
             raise MalformedDescriptorError(
