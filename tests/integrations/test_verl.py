@@ -177,6 +177,55 @@ def test_wrong_shape_is_refused_before_any_write(engine: Any, fresh: Any) -> Non
     assert error is None and greedy_vllm(engine) == fresh[1][1]
 
 
+def _storage(llm: Any) -> dict[str, int]:
+    """Where each parameter's data lives (those vLLM re-packed on CPU hold none)."""
+    from hotweights.vllm.introspect import inprocess_model
+
+    return {n: p.data_ptr() for n, p in inprocess_model(llm).named_parameters() if p.numel()}
+
+
+def test_nonfinite_tensor_is_refused_before_the_swap(engine: Any) -> None:
+    """verl's tensors are copied straight into the parameters' next storage, which the commit swaps in: a NaN in
+    the last tensor the engine serves is still refused by the check of every staged tensor, and nothing is swapped."""
+    served, version, storage = greedy_vllm(engine), _version(engine), _storage(engine)
+    weights = _weights(4)
+    name = "model.norm.weight"
+    weights[name] = weights[name].clone()
+    weights[name][3] = float("nan")
+    result, error, _ = _sync(engine, weights)
+    assert isinstance(error, hotweights.NonFiniteWeightsError), (result, error)
+    assert [(m.kind, m.name) for m in error.mismatches] == [("nonfinite", name)]
+    assert greedy_vllm(engine) == served and _version(engine) == version and _storage(engine) == storage
+
+
+def test_commit_swaps_storage_and_a_failed_commit_puts_it_back(
+    engine: Any, fresh: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The commit points each parameter at the storage verl's tensors were copied into (no second copy of the
+    update); a commit that fails after the swap puts the previous storage back, the previous weights serving."""
+    import hotweights.vllm.worker.setter as setter
+
+    before = _storage(engine)
+    seed = next(s for s in (1, 2, 3) if fresh[s][1] != greedy_vllm(engine))
+    result, error, _ = _sync(engine, _weights(seed))
+    assert error is None and result["parameters_swapped"] > 0, (result, error)
+    after = _storage(engine)
+    assert greedy_vllm(engine) == fresh[seed][1]
+    moved = {n for n in after if after[n] != before.get(n)}
+    assert {"model.embed_tokens.weight", "lm_head.weight", "model.norm.weight"} <= moved, moved
+    served, version = greedy_vllm(engine), _version(engine)
+
+    def fail(*args: Any, **kwargs: Any) -> int:
+        raise RuntimeError("injected failure of the direct setter")
+
+    monkeypatch.setattr(setter, "apply_direct", fail)
+    other = next(s for s in (1, 2, 3) if fresh[s][1] != served)
+    result, error, _ = _sync(engine, _weights(other))
+    monkeypatch.undo()
+    assert error is not None and "injected failure" in str(error), (result, error)
+    assert _storage(engine) == after and greedy_vllm(engine) == served and _version(engine) == version
+
+
 def test_killed_sender_leaves_the_previous_version(
     engine: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

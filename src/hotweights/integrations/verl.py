@@ -283,6 +283,7 @@ class VerlReceiver(HotWeightsWorkerExtension):
                 except Exception as exc:
                     refusal = exc
             socket.send(b"")
+            answered = False  # the last message
             while True:
                 data = receive()  # every message is answered below, whatever it holds
                 is_last = False
@@ -297,6 +298,10 @@ class VerlReceiver(HotWeightsWorkerExtension):
                             update.stage(alone, [(name, _shape_of(handle), _dtype_of(handle), 0)])
                         if inside:
                             update.stage(buffer.tensor, inside, borrow=is_last)
+                        if is_last and not update.borrows:  # nothing staged lies in verl's buffer: answer now,
+                            buffer.close()  # and the sender cleans up beside the commit
+                            buffer, answered = None, True
+                            socket.send(b"")
                         if is_last:
                             result = update.commit()
                 except Exception as exc:
@@ -308,7 +313,8 @@ class VerlReceiver(HotWeightsWorkerExtension):
             if buffer is not None:
                 buffer.close()
                 buffer = None
-            socket.send(b"")  # the last answer, once verl's buffer is released (as verl's own receiver does)
+            if not answered:
+                socket.send(b"")  # the last answer, once verl's buffer is released (as verl's own receiver does)
         except HotWeightsTimeoutError:
             gone = True
             raise

@@ -1,9 +1,12 @@
 """One verl sync into a worker's install session (:mod:`hotweights.integrations.verl`'s receiver): each of verl's
-buckets checked against what the engine serves, then packed into a hotweights bucket (cast to the engine's dtype)
-or, for verl's last bucket, staged where it lies; committed atomically once every tensor arrived."""
+buckets checked against what the engine serves, then copied (cast to the engine's dtype) straight into the
+parameters' next storage where the worker allows it (:mod:`hotweights.integrations.verl_params`: the commit then
+swaps storage), else packed into a hotweights bucket or, for verl's last bucket, staged where it lies; committed
+atomically once every tensor arrived."""
 
 from __future__ import annotations
 
+from collections.abc import Generator, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -14,6 +17,7 @@ from hotweights.core.buckets import ALIGNMENT, Bucket, BucketEntry
 from hotweights.core.errors import Mismatch, WeightManifestValidationError
 from hotweights.core.manifest import ExpectedWeights, TensorSpec, WeightUpdateManifest, dtype_to_str
 from hotweights.core.names import to_checkpoint
+from hotweights.integrations.verl_params import NextParams
 from hotweights.vllm.worker.session import SessionOptions, session_of
 
 __all__ = ["REUSE_BUDGET", "TRANSPORT", "Update", "borrowed", "descriptor", "pack"]
@@ -38,6 +42,10 @@ class Update:
     index: int = 0
     specs: dict[str, TensorSpec] = field(default_factory=dict)
     pending: list[tuple[Bucket, torch.Tensor]] = field(default_factory=list)
+    borrows: bool = False
+    """Some tensors were staged where they lie in verl's buffer: its sender must keep it until the commit."""
+    next: NextParams | None = None
+    """The parameters' next storage, where this update is copied straight into it (None: packed)."""
 
     @property
     def session(self) -> Any:
@@ -46,9 +54,9 @@ class Update:
     def stage(
         self, buffer: torch.Tensor, entries: list[tuple[str, torch.Size, torch.dtype, int]], borrow: bool = False
     ) -> None:
-        """Check one verl bucket, pack it (cast to what the engine serves) and stage it. ``borrow``: verl's last
-        bucket, which its sender keeps until its last answer (sent after the commit): its tensors are staged where
-        they lie when none needs a cast (:func:`borrowed`)."""
+        """Check one verl bucket, copy it (cast to what the engine serves) and stage it. ``borrow``: verl's last
+        bucket, which its sender keeps until its last answer: when packed, its tensors are staged where they lie
+        when none needs a cast (:func:`borrowed`; :attr:`borrows` then tells to answer after the commit)."""
         index, self.index = self.index, self.index + 1
         problems: list[Mismatch] = []
         items: list[tuple[str, torch.Tensor]] = []
@@ -88,20 +96,28 @@ class Update:
             )
         if not specs:
             return
-        staged = borrow and borrowed(index, wanted, specs, buffer)
-        staged = staged or [pack(index, wanted, specs, buffer.device, self.worker)]
-        self.index = index + len(staged)
         self.specs.update(specs)
         if self.update_id is None and self.expected is not None:
             self._begin(self.expected.tensors)
+            current = self.session.staging.current(self.update_id)
+            self.next = NextParams.of(self.worker, current, self.expected.tensors)
+        staged: Iterable[tuple[Bucket, torch.Tensor]]
+        if self.next is not None:  # each parameter's rows staged once copied: checked while the next are copied
+            staged = self._placed(index, wanted, specs, self.next, buffer.device)
+        else:
+            in_buffer = borrowed(index, wanted, specs, buffer) if borrow else None
+            self.borrows = self.borrows or in_buffer is not None
+            staged = in_buffer or [pack(index, wanted, specs, buffer.device, self.worker)]
         for bucket, packed in staged:
+            self.index = bucket.index + 1
             if self.update_id is None:
                 self.pending.append((bucket, packed))
             else:
                 self.session.stage(self.update_id, bucket.model_dump_json(), descriptor(packed))
 
     def commit(self) -> dict[str, int | str | float]:
-        """Validate (every tensor arrived) and install atomically; returns the session's summary."""
+        """Validate (every tensor arrived) and install atomically; returns the session's summary (with
+        ``parameters_swapped`` where the parameters took their next storage)."""
         if not self.specs:  # an empty update (a checkpoint engine's rollout side, when the trainer installed)
             return {}
         if self.update_id is None:
@@ -118,15 +134,60 @@ class Update:
                 [Mismatch("missing", n, expected=f"{list(spec[n].shape)} {spec[n].dtype}") for n in missing],
                 context="verl's update (checked by the engine's worker)",
             )
+        if self.next is not None:
+            self.session.prepare(self.update_id)  # every check joined: a refusal raises here, nothing swapped
         update_id, self.update_id = self.update_id, None
-        summary: dict[str, int | str | float] = self.session.commit(update_id)
-        return summary
+        following, self.next = self.next, None
+        if following is None:
+            summary: dict[str, int | str | float] = self.session.commit(update_id)
+            return summary
+        undo = following.swap()  # the direct setter's copies below then find every tensor in place
+        try:
+            summary = self.session.commit(update_id)
+        except BaseException:
+            undo()  # the parameters back on their previous storage
+            following.release(REUSE_BUDGET)
+            raise
+        following.keep(REUSE_BUDGET)
+        return {**summary, "parameters_swapped": len(following.params)}
 
     def abort(self) -> None:
         self.pending.clear()
+        if self.next is not None:
+            self.next.release(REUSE_BUDGET)
+            self.next = None
         if self.update_id is not None:
             update_id, self.update_id = self.update_id, None
             self.session.abort(update_id)
+
+    def _placed(
+        self,
+        index: int,
+        items: list[tuple[str, torch.Tensor]],
+        specs: dict[str, TensorSpec],
+        next_params: NextParams,
+        device: torch.device,
+    ) -> Iterator[tuple[Bucket, torch.Tensor]]:
+        """Each tensor copied into its parameter's next storage; a parameter's rows are staged (as buckets of its
+        storage) once the tensors that follow go to another parameter. The tensors of parameters copied at the
+        commit (:meth:`NextParams.of`) are packed, last."""
+        param: Any = None
+        run: list[tuple[str, torch.Tensor]] = []
+        rest: list[tuple[str, torch.Tensor]] = []
+        for name, tensor in items:
+            if name not in next_params.rows:
+                rest.append((name, tensor))
+                continue
+            placed, rows = next_params.place(name, tensor)
+            if run and placed is not param:
+                index = yield from _rows(index, run, specs, param)
+                run = []
+            param = placed
+            run.append((name, rows))
+        if run:
+            index = yield from _rows(index, run, specs, param)
+        if rest:
+            yield pack(index, rest, specs, device, self.worker)
 
     def _spec(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> TensorSpec | None:
         if self.expected is not None:
@@ -202,6 +263,16 @@ def borrowed(
         entries = tuple(BucketEntry(name=n, offset=o - start, nbytes=b) for o, n, b in run)
         out.append((Bucket(index=index + i, nbytes=end - start, entries=entries), buffer[start:end]))
     return out
+
+
+def _rows(
+    index: int, run: list[tuple[str, torch.Tensor]], specs: dict[str, TensorSpec], param: Any
+) -> Generator[tuple[Bucket, torch.Tensor], None, int]:
+    """One parameter's rows, just written, as buckets of its next storage; returns the next bucket index."""
+    found = borrowed(index, run, specs, param.flat())
+    assert found is not None, "a parameter's rows are a plain slice of its storage, in its dtype"
+    yield from found
+    return index + len(found)
 
 
 def descriptor(packed: torch.Tensor) -> dict[str, Any]:
