@@ -117,7 +117,7 @@ def local_engine(path: Path, states: dict[int, dict[str, torch.Tensor]], repeats
             report = hotweights.install(llm, states[2 if i % 2 == 0 else 1], weight_version=i + 1)
             if i:
                 reports.append(report)
-        return reports, ping_ms(hotweights.handles.as_engine(llm).call)
+        return reports, ping_ms(hotweights.handles.as_engine(llm).workers.call)
     finally:
         stop_engine(llm)
 

@@ -48,7 +48,7 @@ async def main(a: Path, b: Path) -> dict[str, Any]:
         handle = as_engine(engine)
         handle.bind(asyncio.get_running_loop(), "wait")  # type: ignore[attr-defined]
         out: dict[str, Any] = {"describe": handle.describe(), "num_workers": handle.facts.num_workers}
-        status = await asyncio.to_thread(handle.call, "hotweights_engine", "status", "{}", timeout=30.0)
+        status = await asyncio.to_thread(handle.workers.call, "hotweights_engine", "status", "{}", timeout=30.0)
         out["status_answers"] = len(status)
         out["start"] = [await greedy(engine, r, "a0") for r in (0, 1)]
         for tag, path, version in (("b", b, 1), ("a", a, 2)):
