@@ -45,7 +45,7 @@ def set_fault(fault: str) -> None:
 
 def _faults() -> list[list[str]]:
     if _FAULT is not None:
-        return [_FAULT]
+        return [_FAULT] if _FAULT else []
     name = os.environ.get(FAULT_FILE)
     text = Path(name).read_text() if name and Path(name).exists() else ""
     return [words for part in text.split(";") if (words := part.split())]
