@@ -108,25 +108,22 @@ def first_installs(rounds: int, size: str, warm: bool) -> None:
     phases: dict[str, list[float]] = {"validate": [], "family_probe": []}
     with tempfile.TemporaryDirectory(prefix="hotweights-bench-guard-") as tmp:
         path = save_tiny_model(models[0], Path(tmp) / "a")
-        try:
-            for setting in ("proven", "unproven") * rounds:
-                llm = start_engine(path, max_model_len=64)
-                try:
-                    if warm:
-                        score(llm, [2, 3, 4, 5])
-                    families.PROVEN = {} if setting == "unproven" else proven
-                    t0 = time.perf_counter()
-                    report = hotweights.install(llm, sent, weight_version=1)
-                    seconds[setting].append(time.perf_counter() - t0)
-                    if setting == "unproven":
-                        assert "family_probe" in report.phases, report.phases
-                        for phase in phases:
-                            phases[phase].append(report.phases[phase])
-                finally:
-                    families.PROVEN = proven
-                    stop_engine(llm)
-        finally:
-            families.PROVEN = proven
+        for setting in ("proven", "unproven") * rounds:
+            llm = start_engine(path, max_model_len=64)
+            try:
+                if warm:
+                    score(llm, [2, 3, 4, 5])
+                families.PROVEN = {} if setting == "unproven" else proven
+                t0 = time.perf_counter()
+                report = hotweights.install(llm, sent, weight_version=1)
+                seconds[setting].append(time.perf_counter() - t0)
+                if setting == "unproven":
+                    assert "family_probe" in report.phases, report.phases
+                    for phase in phases:
+                        phases[phase].append(report.phases[phase])
+            finally:
+                families.PROVEN = proven
+                stop_engine(llm)
     med = {k: statistics.median(v) * 1e3 for k, v in {**seconds, **phases}.items()}
     guard = med["unproven"] - med["proven"]
     print(f"first install into a fresh {'warm' if warm else 'cold'} engine, medians of {rounds}: proven "
