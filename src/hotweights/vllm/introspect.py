@@ -6,7 +6,6 @@ so ``import hotweights`` stays cheap and works without vLLM (checked against vLL
 
 from __future__ import annotations
 
-import importlib
 import logging
 from typing import Any
 
@@ -29,7 +28,6 @@ __all__ = [
     "engine_model_config",
     "engine_weight_version",
     "extensible_kv_cache",
-    "extension_class_is_ours",
     "has_unfinished_requests",
     "inprocess_model",
     "is_sleeping",
@@ -212,24 +210,6 @@ def requests_in_flight(engine: Any) -> dict[str, tuple[int, str | None]]:
 
 WORKER_EXTENSION = "hotweights.vllm.worker.extension.HotWeightsWorkerExtension"
 """``worker_extension_cls`` to start a multiprocess engine with, so hotweights can install into it."""
-
-
-def extension_class_is_ours(name: str) -> bool | None:
-    """Whether the ``worker_extension_cls`` ``name`` is hotweights' worker extension or a subclass of it (such as
-    :class:`hotweights.integrations.verl.VerlWorkerExtension`), so the workers carry every ``hotweights_`` method:
-    decided by importing the class here; None where it cannot be imported in this process (the workers' own answer
-    decides then)."""
-    if not name or name == WORKER_EXTENSION:
-        return bool(name)
-    module, _, attr = name.rpartition(".")
-    try:
-        found = getattr(importlib.import_module(module), attr)
-    except (ImportError, AttributeError, ValueError):
-        _log.debug("hotweights: the worker extension %r cannot be imported here", name, exc_info=True)
-        return None
-    from hotweights.vllm.worker.extension import HotWeightsWorkerExtension
-
-    return isinstance(found, type) and issubclass(found, HotWeightsWorkerExtension)
 
 
 def worker_extension(llm: Any) -> str:
