@@ -5,11 +5,12 @@ prefix cache is reset and the version recorded in the engine; then the :class:`I
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from hotweights.adapters.call import InstallCall, Items
 from hotweights.adapters.failure import raise_failure
 from hotweights.adapters.probe_step import check_family
+from hotweights.adapters.protocols import InstallingAdapter
 from hotweights.core.cast import CastItems, item_names
 from hotweights.core.delta import EncodedDelta, StagedDelta
 from hotweights.core.errors import InstallError
@@ -18,16 +19,13 @@ from hotweights.core.manifest import WeightUpdateManifest
 from hotweights.core.probe import ProbeReference
 from hotweights.core.report import InstallReport
 
-if TYPE_CHECKING:
-    from hotweights.adapters.contract import WeightInstallAdapter
-
 __all__ = ["commit"]
 
 logger = logging.getLogger("hotweights")
 
 
 def commit(
-    adapter: WeightInstallAdapter,
+    adapter: InstallingAdapter,
     manifest: WeightUpdateManifest,
     send: Items,
     skipped: list[tuple[str, str]],

@@ -4,21 +4,19 @@ have been partial, and failing closed (:func:`refuse_serving`) until a full inst
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, NoReturn
+from typing import NoReturn
 
 from hotweights.adapters.call import InstallCall
+from hotweights.adapters.protocols import InstallingAdapter
 from hotweights.core.errors import HotWeightsError, InstallError
 from hotweights.core.manifest import WeightUpdateManifest
 from hotweights.telemetry import best_effort
-
-if TYPE_CHECKING:
-    from hotweights.adapters.contract import WeightInstallAdapter
 
 __all__ = ["described", "raise_failure", "refuse_serving", "serving"]
 
 
 def raise_failure(
-    adapter: WeightInstallAdapter, exc: BaseException, manifest: WeightUpdateManifest, timer: InstallCall
+    adapter: InstallingAdapter, exc: BaseException, manifest: WeightUpdateManifest, timer: InstallCall
 ) -> NoReturn:
     """Raise for ``exc``, which ended the install's write: after recovering the engine where it may have been
     written (the next delta install then sends everything), failing closed until a full install."""
@@ -50,7 +48,7 @@ def raise_failure(
     ) from exc
 
 
-def refuse_serving(adapter: WeightInstallAdapter, manifest: WeightUpdateManifest, reason: str | None = None) -> bool:
+def refuse_serving(adapter: InstallingAdapter, manifest: WeightUpdateManifest, reason: str | None = None) -> bool:
     """Fail closed after a partial write: generation through the gate raises until a full install succeeds."""
     if adapter.gate is None:
         return False
@@ -64,7 +62,7 @@ def refuse_serving(adapter: WeightInstallAdapter, manifest: WeightUpdateManifest
     return True
 
 
-def serving(adapter: WeightInstallAdapter) -> str:
+def serving(adapter: InstallingAdapter) -> str:
     """What the engine serves, in an error message."""
     v = adapter.active_weight_version
     return "the engine's initial weights" if v is None else f"v{v}"

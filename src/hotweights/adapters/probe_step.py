@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
 
 from hotweights.adapters.failure import refuse_serving, serving
+from hotweights.adapters.protocols import InstallingAdapter
 from hotweights.core.errors import FamilyProbeError
 from hotweights.core.families import FamilyCheck
 from hotweights.core.manifest import WeightUpdateManifest
@@ -16,16 +16,13 @@ from hotweights.core.probe import ProbeReference
 from hotweights.core.report import PhaseTimer
 from hotweights.telemetry import best_effort
 
-if TYPE_CHECKING:
-    from hotweights.adapters.contract import WeightInstallAdapter
-
 __all__ = ["check_family"]
 
 logger = logging.getLogger("hotweights")
 
 
 def check_family(
-    adapter: WeightInstallAdapter,
+    adapter: InstallingAdapter,
     manifest: WeightUpdateManifest,
     family: FamilyCheck | None,
     ref: ProbeReference | None,
