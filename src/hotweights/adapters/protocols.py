@@ -2,22 +2,27 @@
 
 The install's steps (:mod:`~hotweights.adapters.checks`, :mod:`~hotweights.adapters.commit`,
 :mod:`~hotweights.adapters.failure`, :mod:`~hotweights.adapters.probe_step`) see it as an :class:`InstallingAdapter`
-(what :class:`~hotweights.adapters.WeightInstallAdapter` is). So the steps depend on these few members, and the
-class that runs them imports them, never the other way round.
+(what :class:`~hotweights.adapters.WeightInstallAdapter` is); an installer's path
+(:class:`~hotweights.adapters.session.SessionPath`, :class:`~hotweights.adapters.weights_path.WeightsPath`) as a
+:class:`PathOwner` (what :class:`~hotweights.adapters.Installer` is). So the steps and the paths depend on these
+few members, and the classes that run them import them, never the other way round.
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any, Protocol
 
 from hotweights.adapters.call import InstallCall, Items
+from hotweights.adapters.options import InstallerOptions
+from hotweights.adapters.wires import Wire
 from hotweights.core.active import ActiveVersion
 from hotweights.core.delta import DeltaBase, DeltaState, EncodedDelta, StagedDelta
 from hotweights.core.gate import WriteGate
 from hotweights.core.manifest import ExpectedWeights, WeightUpdateManifest
 from hotweights.handles import EngineHandle
+from hotweights.transports import WeightTransport
 
-__all__ = ["InstallingAdapter"]
+__all__ = ["InstallingAdapter", "PathOwner"]
 
 
 class InstallingAdapter(Protocol):
@@ -61,3 +66,21 @@ class InstallingAdapter(Protocol):
     def _engine_version_now(self) -> str | None: ...
     def _probe_logprobs(self, token_ids: tuple[int, ...], label: str) -> list[float | None] | None: ...
     def reopen_serving(self) -> None: ...
+
+
+class PathOwner(Protocol):
+    """The installer an install path serves: its engine, wire, transport and options, and the install's gate."""
+
+    @property
+    def engine(self) -> EngineHandle: ...
+    @property
+    def wire(self) -> Wire | None: ...
+    @property
+    def transport(self) -> WeightTransport: ...
+    @property
+    def options(self) -> InstallerOptions: ...
+    @property
+    def _delta(self) -> DeltaState: ...
+
+    def _begin_writing(self, timer: InstallCall) -> None: ...
+    def engine_op(self, op: str, **args: Any) -> list[Any]: ...

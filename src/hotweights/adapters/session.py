@@ -9,11 +9,12 @@ say how the workers install.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from hotweights.adapters import sending
 from hotweights.adapters.call import InstallCall, Items
 from hotweights.adapters.options import PathAbilities
+from hotweights.adapters.protocols import PathOwner
 from hotweights.adapters.sending import bucket_default
 from hotweights.adapters.traits import BarePath
 from hotweights.core.cast import item_names, lazy_mapping
@@ -24,9 +25,6 @@ from hotweights.telemetry import best_effort
 from hotweights.transports import WeightTransport
 from hotweights.transports.shm_base import SharedDeltaBase
 
-if TYPE_CHECKING:
-    from hotweights.adapters.installer import Installer
-
 __all__ = ["SessionPath"]
 
 
@@ -35,7 +33,7 @@ class SessionPath(BarePath):
     (read from the installer at each install). ``label``: the installer's name in reports, where it is not
     made of its name, transport, method and commit mode."""
 
-    def __init__(self, installer: Installer, label: str | None = None) -> None:
+    def __init__(self, installer: PathOwner, label: str | None = None) -> None:
         self.installer = installer
         self.fixed_label = label
 

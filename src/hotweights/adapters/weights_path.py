@@ -12,11 +12,12 @@ import shutil
 import struct
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from hotweights.adapters.call import InstallCall, Items
+from hotweights.adapters.protocols import PathOwner
 from hotweights.adapters.traits import BarePath
 from hotweights.core import two_phase
 from hotweights.core.cast import CastItems, uncast
@@ -25,9 +26,6 @@ from hotweights.core.finite import check_finite
 from hotweights.core.manifest import _ST_DTYPES, WeightUpdateManifest, dtype_from_str
 from hotweights.transports.shm_files import SHM_DIR, sweep_stale
 from hotweights.vllm import compat, fixes, introspect
-
-if TYPE_CHECKING:
-    from hotweights.adapters.installer import Installer
 
 __all__ = ["WeightsPath"]
 
@@ -45,7 +43,7 @@ class WeightsPath(BarePath):
     reload starts; generation waits only for the reload itself. ``rpc_timeout``: seconds the reload may take.
     """
 
-    def __init__(self, installer: Installer, rpc_timeout: float | None) -> None:
+    def __init__(self, installer: PathOwner, rpc_timeout: float | None) -> None:
         self.installer = installer
         self.rpc_timeout = rpc_timeout
         sweep_stale(min_age=60.0)  # checkpoint directories of trainers that died mid-install
