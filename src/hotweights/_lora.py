@@ -18,10 +18,13 @@ import shutil
 import tempfile
 import time
 import uuid
+from collections.abc import Collection
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from hotweights.adapters.weights_path import _write_safetensors
 from hotweights.core.errors import (
@@ -34,7 +37,7 @@ from hotweights.core.errors import (
 )
 from hotweights.core.finite import check_finite
 from hotweights.core.lora import adapter_config, lora_items, lora_mismatches
-from hotweights.core.manifest import TensorsLike
+from hotweights.core.manifest import ExpectedWeights, TensorsLike
 from hotweights.core.report import InstallReport, PhaseTimer
 from hotweights.handles import EngineHandle, PauseMode, as_engine
 from hotweights.telemetry import best_effort, log_report
@@ -42,7 +45,16 @@ from hotweights.transports.shm_files import SHM_DIR
 from hotweights.versions import lora_directory_prefix
 from hotweights.vllm import introspect
 
-__all__ = ["install_lora", "install_lora_async", "lora_request"]
+__all__ = [
+    "checked_adapter",
+    "install_lora",
+    "install_lora_async",
+    "install_lora_in_worker",
+    "lora_request",
+    "worker_lora_modules",
+    "worker_lora_rank",
+    "write_adapter",
+]
 
 #: The handle's shared state: name -> :class:`_Slot` of the current version; of the previous one; the next id.
 _SLOTS = "_hotweights_lora_slots"
@@ -139,6 +151,59 @@ async def install_lora_async(
     return await asyncio.to_thread(_install_lora, *args)
 
 
+def checked_adapter(
+    tensors: TensorsLike,
+    expected: ExpectedWeights | None,
+    max_rank: int | None,
+    *,
+    name: str,
+    config: Any = None,
+    nonfinite: bool = False,
+    supported: Collection[str] | None = None,
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """The adapter's A and B weights under PEFT's saved names and its ``adapter_config.json``, once every check
+    passed (one pass, before anything is written): names, ranks and shapes against the base checkpoint ``expected``
+    and ``max_rank``, target modules among ``supported`` (the last part of a module's name, e.g. ``q_proj``; None:
+    not checked here), and no NaN or Inf unless ``nonfinite``.
+
+    Raises:
+        WeightManifestValidationError: every mismatch, listed.
+        NonFiniteWeightsError: each tensor holding NaN or Inf, with counts.
+    """
+    items, problems = lora_items(tensors)
+    if not items and not problems:
+        problems.append(Mismatch("missing", "<module>.lora_A.weight", "the adapter's A and B weights", "none"))
+    problems += lora_mismatches(items, expected, max_rank)
+    if supported is not None:
+        problems += _unsupported(items, set(supported))
+    if problems:
+        raise WeightManifestValidationError(problems, context=f"LoRA adapter {name!r}")
+    if not nonfinite:  # an adapter is small: one pass over it, before anything is written
+        check_finite(items.items(), context=f"LoRA adapter {name!r}")
+    return items, adapter_config(config, items)
+
+
+def write_adapter(items: dict[str, torch.Tensor], files: dict[str, Any], weight_version: int) -> Path:
+    """``items`` and ``files`` (from :func:`checked_adapter`) saved as PEFT saves an adapter, in a private directory
+    in ``/dev/shm`` named for ``weight_version`` (what :func:`hotweights.lora_version_of` reads)."""
+    directory = Path(tempfile.mkdtemp(prefix=lora_directory_prefix(weight_version), dir=SHM_DIR))
+    try:
+        _write_safetensors(directory / "adapter_model.safetensors", list(items.items()))
+        (directory / "adapter_config.json").write_text(json.dumps(files))
+    except BaseException:
+        shutil.rmtree(directory, ignore_errors=True)
+        raise
+    return directory
+
+
+def _unsupported(items: dict[str, torch.Tensor], supported: set[str]) -> list[Mismatch]:
+    modules = sorted({n.rsplit(".lora_", 1)[0] for n in items})
+    wanted = f"a module the engine's LoRA layers take ({', '.join(sorted(supported))})"
+    return [
+        Mismatch("unexpected", m, wanted, "not supported") for m in modules if m.rsplit(".", 1)[-1] not in supported
+    ]
+
+
 def lora_request(engine: Any, name: str) -> Any:
     """vLLM's ``LoRARequest`` for the adapter last installed as ``name`` (pass it as ``lora_request=`` to
     ``generate``); :class:`HotWeightsError` when none was installed into this engine under that name."""
@@ -168,26 +233,17 @@ def _install_lora(
     handle.check_pause_mode(pause)
     timer = PhaseTimer()
     with timer("validate"):
-        items, problems = lora_items(tensors)
-        if not items and not problems:
-            problems.append(Mismatch("missing", "<module>.lora_A.weight", "the adapter's A and B weights", "none"))
-        problems += lora_mismatches(items, handle.expected_weights(), max_rank)
-        if problems:
-            raise WeightManifestValidationError(problems, context=f"LoRA adapter {name!r}")
-        if not allow_nonfinite:  # an adapter is small: one pass over it, before anything is written
-            check_finite(items.items(), context=f"LoRA adapter {name!r}")
-        files = adapter_config(config, items)
+        expected = handle.expected_weights()
+        items, files = checked_adapter(tensors, expected, max_rank, name=name, config=config, nonfinite=allow_nonfinite)
     with handle.installing(pause, timeout):
         slots = _slots(handle)
         slot = slots.get(name)
         if slot is not None and weight_version <= slot.version and not force:
             raise StaleWeightVersionError(weight_version, slot.version)
         lora_id = next(handle.shared(_IDS, lambda: itertools.count(1)))  # every version an id of its own
-        directory = Path(tempfile.mkdtemp(prefix=lora_directory_prefix(weight_version), dir=SHM_DIR))
+        with timer("pack"):
+            directory = write_adapter(items, files, weight_version)
         try:
-            with timer("pack"):
-                _write_safetensors(directory / "adapter_model.safetensors", list(items.items()))
-                (directory / "adapter_config.json").write_text(json.dumps(files))
             with ExitStack() as held:  # generation waits from here to the reset
                 with timer("wait_generation"):
                     held.enter_context(handle.gate.installing(timeout))
@@ -252,3 +308,78 @@ def _retire(handle: EngineHandle, name: str, slot: _Slot | None) -> _Slot | None
 def _remove(slots: list[_Slot]) -> None:
     for slot in slots:
         shutil.rmtree(slot.path, ignore_errors=True)
+
+
+# ------------------------------------------------------------------------------------ from inside a worker
+def worker_lora_rank(worker: Any) -> int | None:
+    """The largest rank a vLLM worker's engine takes; None where it was started without LoRA (``enable_lora``)."""
+    config = getattr(getattr(worker, "vllm_config", None), "lora_config", None)
+    return int(config.max_lora_rank) if config is not None else None
+
+
+def worker_lora_modules(worker: Any) -> set[str] | None:
+    """The module names (last part, e.g. ``q_proj``) a vLLM worker's LoRA layers take, packed ones unpacked as vLLM
+    reads an adapter (``qkv_proj`` -> ``q_proj``, ``k_proj``, ``v_proj``); None where the worker does not say."""
+    manager = getattr(getattr(getattr(worker, "model_runner", None), "lora_manager", None), "_adapter_manager", None)
+    supported = getattr(manager, "supported_lora_modules", None)
+    if not supported:
+        return None
+    packed: dict[str, list[str]] = getattr(manager, "packed_modules_mapping", None) or {}
+    return {name for module in supported for name in packed.get(module, [module])}
+
+
+def install_lora_in_worker(
+    worker: Any,
+    tensors: TensorsLike,
+    *,
+    name: str,
+    lora_id: int,
+    weight_version: int,
+    config: Any,
+    expected: ExpectedWeights | None,
+) -> dict[str, int | str | float]:
+    """:func:`install_lora`'s checks and load, from inside a vLLM worker (where a framework's RPC delivers an
+    adapter: verl's LoRA sync): ``tensors`` checked (also against the target modules the worker's LoRA layers
+    take), saved as PEFT saves them, and loaded by the worker's own ``add_lora`` with ``load_inplace`` as adapter
+    ``name`` of id ``lora_id``: vLLM loads the new adapter before it drops the one of that id, so a refused adapter
+    leaves the previous one serving. vLLM holds the adapter in memory once loaded: the directory goes at once.
+    Returns the install's summary.
+
+    Raises:
+        EngineNotSupportedError: the engine was started without LoRA.
+        WeightManifestValidationError: the adapter does not fit the base model or the engine (every mismatch).
+        NonFiniteWeightsError: a tensor holds NaN or Inf (each named, with counts).
+        InstallError: vLLM refused the adapter while loading it; the previous adapter of that id still serves.
+    """
+    max_rank = worker_lora_rank(worker)
+    if max_rank is None:
+        raise EngineNotSupportedError(
+            f"LoRA adapter {name!r} arrived, but the engine was started without LoRA: start it with enable_lora=True "
+            "and max_lora_rank at least the adapter's rank"
+        )
+    start = time.perf_counter()
+    supported = worker_lora_modules(worker)
+    items, files = checked_adapter(tensors, expected, max_rank, name=name, config=config, supported=supported)
+    checked = time.perf_counter()
+    directory = write_adapter(items, files, weight_version)
+    written = time.perf_counter()
+    try:
+        worker.add_lora(introspect.lora_request(name, lora_id, str(directory), replace=True))
+    except HotWeightsError:
+        raise
+    except Exception as exc:
+        raise InstallError(
+            f"vLLM refused LoRA adapter {name!r}: {type(exc).__name__}: {exc}. It loads the new adapter before it "
+            "drops the old one, so the previous adapter still serves."
+        ) from exc
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+    return {
+        "tensors": len(items),
+        "bytes": sum(t.numel() * t.element_size() for t in items.values()),
+        "adapter": "lora",
+        "lora_id": lora_id,
+        "validate_s": checked - start,
+        "pack_s": written - checked,
+        "install_s": time.perf_counter() - written,
+    }

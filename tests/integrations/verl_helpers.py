@@ -225,15 +225,20 @@ def _chain(exc: BaseException | None) -> list[str]:
     return out
 
 
-def baseline(model: str, weights_file: str, wait_s: float) -> dict[str, Any]:
+def baseline(model: str, weights_file: str, wait_s: float, peft_config: dict[str, Any] | None = None) -> dict[str, Any]:
     """verl's own extension on this vLLM: the RPC's error chain, and whether the sender still waits ``wait_s``
-    seconds after it (verl's sender has no time-out)."""
+    seconds after it (verl's sender has no time-out). With ``peft_config``, a LoRA adapter sync into an engine
+    started with LoRA (rank up to ``peft_config["r"]``)."""
     from safetensors.torch import load_file
 
     from hotweights.testing import start_engine
 
+    lora = {"enable_lora": True, "max_lora_rank": peft_config["r"], "max_loras": 1} if peft_config else {}
     llm = start_engine(
-        model, "bfloat16", worker_extension_cls="verl.workers.rollout.vllm_rollout.utils.vLLMColocateWorkerExtension"
+        model,
+        "bfloat16",
+        worker_extension_cls="verl.workers.rollout.vllm_rollout.utils.vLLMColocateWorkerExtension",
+        **lora,
     )
     weights = load_file(weights_file)
     errors: list[str] = []
@@ -241,7 +246,7 @@ def baseline(model: str, weights_file: str, wait_s: float) -> dict[str, Any]:
     thread.start()
     try:
         llm.collective_rpc(
-            "update_weights_from_ipc", kwargs={"peft_config": None, "base_sync_done": True, "use_shm": True}
+            "update_weights_from_ipc", kwargs={"peft_config": peft_config, "base_sync_done": True, "use_shm": True}
         )
     except BaseException as exc:
         errors = _chain(exc)
@@ -256,6 +261,7 @@ def main() -> None:
     parser.add_argument("--model", default="")
     parser.add_argument("--stall-after", type=int, default=None)
     parser.add_argument("--wait", type=float, default=5.0)
+    parser.add_argument("--lora", default="", help="a LoRA adapter sync with this peft_config (JSON)")
     args = parser.parse_args()
     use_cpu()
     if args.mode == "send":
@@ -266,7 +272,8 @@ def main() -> None:
         send(zmq_handle(), weights, stall_after=args.stall_after)
         print("sent", flush=True)
         return
-    print(json.dumps(baseline(args.model, args.weights, args.wait)), flush=True)
+    found = baseline(args.model, args.weights, args.wait, json.loads(args.lora) if args.lora else None)
+    print(json.dumps(found), flush=True)
     sys.stdout.flush()
     os._exit(0)  # verl's sender thread never returns
 

@@ -14,8 +14,10 @@ messages are read with an unpickler that admits only the torch types its protoco
 
 ``VerlWorkerExtension`` subclasses verl's own extension (``monkey_patch_model`` and the rest stay verl's) and
 hotweights' :data:`hotweights.WORKER_EXTENSION`; it is built when first looked up, so importing this module never
-imports verl. LoRA adapter syncs are refused (:class:`~hotweights.EngineNotSupportedError`): set
-``actor_rollout_ref.model.lora.merge=True``.
+imports verl. LoRA syncs (``peft_config``): the base weights under PEFT's names are installed as the checkpoint
+names them, the adapter alone through hotweights' adapter-only install as the adapter verl's requests use
+(:class:`~hotweights.integrations.verl_update.AdapterUpdate`; vLLM's own LoRA loader loads it: verl's replacement
+of it fails on vLLM 0.32).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from typing import Any
 
 import torch
 
+from hotweights._lora import worker_lora_rank
 from hotweights.core import attach
 from hotweights.core.envelope import enveloped
 from hotweights.core.errors import (
@@ -41,7 +44,7 @@ from hotweights.core.errors import (
     InstallError,
 )
 from hotweights.core.manifest import ExpectedWeights
-from hotweights.integrations.verl_update import TRANSPORT, Update
+from hotweights.integrations.verl_update import TRANSPORT, AdapterUpdate, Update, base_name
 from hotweights.transports import BucketReceiver, Descriptor, Opened, available_transports, register_transport
 from hotweights.vllm.worker.extension import HotWeightsWorkerExtension
 
@@ -229,7 +232,10 @@ class VerlReceiver(HotWeightsWorkerExtension):
 
         Raises:
             WeightManifestValidationError: a tensor the engine does not serve, of another shape, or missing.
-            EngineNotSupportedError: a LoRA adapter sync, or an argument this verl version does not send.
+            NonFiniteWeightsError: a tensor holds NaN or Inf (each named); the previous weights or adapter serve.
+            EngineNotSupportedError: an adapter sync into an engine started without LoRA, or an argument this verl
+                version does not send.
+            InstallError: vLLM refused the adapter while loading it; the previous adapter serves.
             HotWeightsTimeoutError: the sender sent nothing for :data:`TIMEOUT_ENV` seconds.
         """
         import zmq
@@ -241,10 +247,12 @@ class VerlReceiver(HotWeightsWorkerExtension):
                 f"update_weights_from_ipc got {sorted(unknown)}, which hotweights' verl extension does not know: "
                 "use the verl version it was tested with (0.9) or remove those arguments"
             )
-        elif peft_config and base_sync_done:
+        elif peft_config and base_sync_done and worker_lora_rank(worker) is None:
             refusal = EngineNotSupportedError(
-                "verl's LoRA adapter sync is not supported by hotweights' verl extension yet: set "
-                "actor_rollout_ref.model.lora.merge=True (verl then sends the merged weights)"
+                "verl sent a LoRA adapter, but the engine was started without LoRA: start it with enable_lora=True "
+                "and max_lora_rank at least the adapter's rank (verl's rollout does when "
+                "actor_rollout_ref.model.lora.merge=False), or set actor_rollout_ref.model.lora.merge=True (verl then "
+                "sends the merged weights)"
             )
         version = int(attach.get(worker, "verl_version", 0)) + 1
         timeout, expected = DEFAULT_TIMEOUT_S, None
@@ -260,7 +268,11 @@ class VerlReceiver(HotWeightsWorkerExtension):
         socket.setsockopt(zmq.LINGER, 0)
         socket.setsockopt(zmq.RECONNECT_IVL, RECONNECT_MS)
         socket.connect(self._get_zmq_handle())  # type: ignore[attr-defined]
-        update = Update(worker, version, expected, _engine_dtype(worker))
+        update: Update | AdapterUpdate
+        if peft_config and base_sync_done:  # the adapter alone
+            update = AdapterUpdate(worker, version, expected, dict(peft_config))
+        else:
+            update = Update(worker, version, expected, _engine_dtype(worker))
         device = getattr(worker, "device", None)
         buffer: _Buffer | None = None
         gone = False
@@ -292,6 +304,9 @@ class VerlReceiver(HotWeightsWorkerExtension):
                     is_last = isinstance(message, dict) and bool(message.get("is_last"))
                     if refusal is None:
                         inside, apart = _entries(message)
+                        if peft_config and not base_sync_done:  # the base under a PEFT model's names
+                            inside = [(base_name(n), s, d, o) for n, s, d, o in inside]
+                            apart = [(base_name(n), h) for n, h in apart]
                         assert buffer is not None
                         for name, handle in apart:  # a tensor larger than verl's bucket, by its own IPC handle
                             alone = _rebuild_ipc(handle, device)
@@ -376,11 +391,34 @@ def _extension() -> type:
             f"hotweights.integrations.verl.VerlWorkerExtension subclasses verl's vLLMColocateWorkerExtension, which "
             f"cannot be imported here ({exc}): install verl (tested: verl==0.9.1) in the engine's environment"
         ) from exc
+
+    def __new__(cls: type, **kwargs: Any) -> Any:
+        instance = vLLMColocateWorkerExtension.__new__(cls, **kwargs)  # verl's patches, its LoRA loader among them
+        _vllms_lora_loader()
+        return instance
+
     return type(
         "VerlWorkerExtension",
         (VerlReceiver, vLLMColocateWorkerExtension),
-        {"__module__": __name__, "__doc__": "verl's worker extension, its weight sync through hotweights."},
+        {
+            "__module__": __name__,
+            "__doc__": "verl's worker extension, its weight sync through hotweights.",
+            "__new__": __new__,
+        },
     )
+
+
+def _vllms_lora_loader() -> None:
+    """vLLM's own LoRA loader back where verl's extension replaced it (``VLLMHijack``, for verl's in-memory adapter
+    requests, which hotweights never makes): on vLLM 0.32 verl's loader fails for any model with an
+    ``hf_to_vllm_mapper`` (``WeightsMapper`` has no ``get_unstacked_mapper``), Qwen2 and Llama among them."""
+    try:
+        from vllm.lora.worker_manager import LRUCacheWorkerLoRAManager
+    except ImportError:
+        return
+    found = vars(LRUCacheWorkerLoRAManager).get("_load_adapter")
+    if found is not None and str(getattr(found, "__module__", "")).startswith("verl."):
+        delattr(LRUCacheWorkerLoRAManager, "_load_adapter")  # the base class's, vLLM's own, answers again
 
 
 def __getattr__(name: str) -> Any:

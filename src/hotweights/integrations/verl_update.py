@@ -2,7 +2,16 @@
 buckets checked against what the engine serves, then copied (cast to the engine's dtype) straight into the
 parameters' next storage where the worker allows it (:mod:`hotweights.integrations.verl_params`: the commit then
 swaps storage), else packed into a hotweights bucket or, for verl's last bucket, staged where it lies; committed
-atomically once every tensor arrived."""
+atomically once every tensor arrived.
+
+verl's LoRA syncs (``lora.merge=False``): the first (``peft_config`` set, ``base_sync_done=False``) is the base
+model under a PEFT model's names, which :func:`base_name` gives back as the checkpoint names them (then it installs
+as any sync). Each later one (``base_sync_done=True``) is the adapter alone: :class:`AdapterUpdate` copies each of
+its tensors out of verl's buffer as it arrives and, at the last bucket, installs them with
+:func:`hotweights._lora.install_lora_in_worker` (every check before anything is written; vLLM loads the new adapter
+before it drops the old one) under the id and name verl's rollout puts in its requests (:func:`verl_adapter`). verl's
+own receiver removes its adapter before the new one arrives; here a refused adapter leaves the previous one serving.
+"""
 
 from __future__ import annotations
 
@@ -20,7 +29,18 @@ from hotweights.core.names import to_checkpoint
 from hotweights.integrations.verl_params import NextParams
 from hotweights.vllm.worker.session import SessionOptions, session_of
 
-__all__ = ["REUSE_BUDGET", "TRANSPORT", "Update", "borrowed", "descriptor", "pack"]
+__all__ = [
+    "REUSE_BUDGET",
+    "TRANSPORT",
+    "AdapterUpdate",
+    "Update",
+    "base_name",
+    "borrowed",
+    "descriptor",
+    "pack",
+    "verl_adapter",
+    "views",
+]
 
 #: The transport whose descriptors carry these buckets (its engine side: ``hotweights.integrations.verl``).
 TRANSPORT = "verl"
@@ -58,14 +78,7 @@ class Update:
         bucket, which its sender keeps until its last answer: when packed, its tensors are staged where they lie
         when none needs a cast (:func:`borrowed`; :attr:`borrows` then tells to answer after the commit)."""
         index, self.index = self.index, self.index + 1
-        problems: list[Mismatch] = []
-        items: list[tuple[str, torch.Tensor]] = []
-        for name, shape, dtype, offset in entries:
-            nbytes = shape.numel() * dtype.itemsize
-            if offset < 0 or offset + nbytes > buffer.numel():
-                problems.append(Mismatch("manifest", name, actual=f"outside verl's {buffer.numel()}-byte buffer"))
-            else:
-                items.append((name, buffer[offset : offset + nbytes].view(dtype).view(shape)))
+        items, problems = views(buffer, entries)
         if not problems and self.expected is not None:  # transformers 5's in-memory names (fused experts), mapped
             e = self.expected
             items, _ = to_checkpoint(items, e.tensors, e.model_type, architectures=e.architectures)
@@ -201,6 +214,21 @@ class Update:
         self.update_id = str(opened["update_id"])
 
 
+def views(
+    buffer: torch.Tensor, entries: list[tuple[str, torch.Size, torch.dtype, int]]
+) -> tuple[list[tuple[str, torch.Tensor]], list[Mismatch]]:
+    """The tensors a verl bucket places in ``buffer`` (views, no copy), and a mismatch for each one outside it."""
+    problems: list[Mismatch] = []
+    items: list[tuple[str, torch.Tensor]] = []
+    for name, shape, dtype, offset in entries:
+        nbytes = shape.numel() * dtype.itemsize
+        if offset < 0 or offset + nbytes > buffer.numel():
+            problems.append(Mismatch("manifest", name, actual=f"outside verl's {buffer.numel()}-byte buffer"))
+        else:
+            items.append((name, buffer[offset : offset + nbytes].view(dtype).view(shape)))
+    return items, problems
+
+
 def pack(
     index: int, items: list[tuple[str, torch.Tensor]], specs: dict[str, TensorSpec], device: torch.device, worker: Any
 ) -> tuple[Bucket, torch.Tensor]:
@@ -277,3 +305,69 @@ def _rows(
 
 def descriptor(packed: torch.Tensor) -> dict[str, Any]:
     return {"transport": TRANSPORT, "nbytes": packed.numel(), "buffer": packed}
+
+
+# ------------------------------------------------------------------------------------ LoRA syncs
+_PEFT_PREFIX = "base_model.model."
+
+
+def base_name(name: str) -> str:
+    """The checkpoint's name of a base weight verl sends under a PEFT model's name: ``base_model.model.`` dropped
+    from the front, ``.base_layer`` from before the weight."""
+    if name.startswith(_PEFT_PREFIX):
+        name = name[len(_PEFT_PREFIX) :]
+    return name.replace(".base_layer.", ".")
+
+
+def verl_adapter() -> tuple[int, str]:
+    """The id and name of the adapter verl's rollout asks for in its requests (``vllm_async_server.py``)."""
+    from verl.workers.rollout.vllm_rollout.utils import VLLM_LORA_INT_ID, VLLM_LORA_NAME
+
+    return int(VLLM_LORA_INT_ID), str(VLLM_LORA_NAME)
+
+
+@dataclass
+class AdapterUpdate:
+    """One LoRA adapter sync from verl: the same calls as :class:`~hotweights.integrations.verl_update.Update`
+    (``stage`` each bucket, ``commit`` at the last, ``abort``), so the receiver's loop is the same."""
+
+    worker: Any
+    version: int
+    expected: ExpectedWeights | None
+    config: dict[str, Any]
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    borrows: bool = False
+    """Never: each tensor is copied out of verl's buffer as it arrives, so the last answer goes before the install."""
+
+    def stage(
+        self, buffer: torch.Tensor, entries: list[tuple[str, torch.Size, torch.dtype, int]], borrow: bool = False
+    ) -> None:
+        """Copy one bucket's tensors out of verl's buffer (its sender overwrites it with the next bucket)."""
+        items, problems = views(buffer, entries)
+        problems += [Mismatch("manifest", n, actual="sent twice in one update") for n, _ in items if n in self.tensors]
+        if problems:
+            raise WeightManifestValidationError(
+                problems, context="verl's LoRA adapter (checked by the engine's worker)"
+            )
+        self.tensors.update((name, tensor.to("cpu", copy=True)) for name, tensor in items)
+
+    def commit(self) -> dict[str, int | str | float]:
+        """Check the whole adapter and install it as verl's; returns the install's summary ({} for no tensors)."""
+        if not self.tensors:
+            return {}
+        from hotweights._lora import install_lora_in_worker
+
+        lora_id, name = verl_adapter()
+        tensors, self.tensors = self.tensors, {}
+        return install_lora_in_worker(
+            self.worker,
+            tensors,
+            name=name,
+            lora_id=lora_id,
+            weight_version=self.version,
+            config=self.config,
+            expected=self.expected,
+        )
+
+    def abort(self) -> None:
+        self.tensors.clear()
