@@ -133,4 +133,4 @@ $(STAMPVERL): pyproject.toml Makefile
 .PHONY: test-verl
 test-verl: $(STAMPVERL)
 	$(PYVERL) -m pytest -p no:cacheprovider tests/integrations/test_verl.py tests/integrations/test_verl_moe.py \
-		tests/integrations/test_verl_checkpoint.py
+		tests/integrations/test_verl_checkpoint.py tests/integrations/test_verl_lora.py
