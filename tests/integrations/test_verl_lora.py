@@ -227,6 +227,59 @@ def test_the_first_sync_of_a_lora_run_installs_the_base_under_peft_names(engine:
     assert error is None and scored(engine, verls_request()) == fresh.served[1], error
 
 
+def test_verls_own_call_path_for_a_lora_run(engine: Any, fresh: Fresh) -> None:
+    """verl's own colocated sync of a LoRA run (``lora.merge=False``), as far up as runs here (see test_verl.py's
+    call-path test for the stand-ins): ``ActorRolloutRefWorker.update_weights`` sends the base under PEFT's names and
+    then the adapter at its first step, the adapter alone after, each through verl's ``ServerAdapter``; each step
+    equal to a fresh engine with that adapter; a NaN adapter raises the typed error out of verl's ``update_weights``,
+    the previous adapter serving."""
+    import asyncio
+    from types import SimpleNamespace
+
+    try:
+        from verl.workers.engine_workers import ActorRolloutRefWorker
+    except ImportError as exc:  # its trainer worker imports `datasets` (make test-verl installs it)
+        pytest.skip(f"verl's trainer worker cannot be imported here ({exc})")
+    from omegaconf import OmegaConf
+
+    from .verl_helpers import for_llm, server_adapter, verl_worker_env
+
+    verl_worker_env()
+    rollout = server_adapter(for_llm(engine))
+    sent = {"adapter": fresh.adapters[0]}
+
+    def per_tensor_param(layered_summon: bool = False, base_sync_done: bool = False, **_: Any) -> Any:
+        """The FSDP actor's answer in a LoRA run (fsdp/transformer_impl.py:977): the adapter, or the base."""
+        return iter((sent["adapter"] if base_sync_done else peft_base(1)).items()), dict(PEFT_CONFIG)
+
+    actor = SimpleNamespace(
+        engine=SimpleNamespace(get_per_tensor_param=per_tensor_param, is_param_offload_enabled=False)
+    )
+    worker = SimpleNamespace(
+        config=OmegaConf.create({"rollout": {"name": "vllm", "free_cache_engine": False}}),
+        rollout=rollout,
+        actor=actor,
+        layered_summon=False,
+        peft_merge=False,
+        base_sync_done=False,  # the rollout started on dummy weights: the first step sends the base too
+    )
+    asyncio.run(ActorRolloutRefWorker.update_weights(worker, global_steps=1, mode="naive"))
+    assert worker.base_sync_done and rollout.server_handle.calls == ["update_weights_from_ipc"] * 2
+    assert scored(engine, verls_request()) == fresh.served[0] and scored(engine) == fresh.plain
+    sent["adapter"] = fresh.adapters[1]
+    asyncio.run(ActorRolloutRefWorker.update_weights(worker, global_steps=2, mode="naive"))
+    assert rollout.server_handle.calls == ["update_weights_from_ipc"] * 3 and rollout.server_handle.global_steps == 2
+    assert scored(engine, verls_request()) == fresh.served[1] and scored(engine) == fresh.plain
+    bad = dict(fresh.adapters[0])
+    name = "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight"
+    bad[name] = bad[name].clone()
+    bad[name][0, 0] = float("nan")
+    sent["adapter"] = bad
+    with pytest.raises(hotweights.NonFiniteWeightsError, match=r"q_proj\.lora_B"):
+        asyncio.run(ActorRolloutRefWorker.update_weights(worker, global_steps=3, mode="naive"))
+    assert scored(engine, verls_request()) == fresh.served[1] and rollout.server_handle.global_steps == 2
+
+
 def test_a_multiprocess_engine_installs_the_adapter_and_refuses_a_nan_typed(fresh: Fresh) -> None:
     """vLLM's default engine (its worker in a process of its own): the adapter is installed there, and a refused one
     reaches the trainer as the text of vLLM's RPC error, from which the envelope rebuilds the typed error."""
