@@ -5,8 +5,9 @@ are (:func:`direct`)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Coroutine, Sequence
+from contextlib import AbstractContextManager
+from typing import Any, Protocol, TypeVar
 
 import torch
 
@@ -17,9 +18,6 @@ from hotweights.vllm import fixes, introspect, rpc, scoring
 from hotweights.vllm.patches import SleepTracker
 from hotweights.vllm.worker.ops import clear_kv_cache
 
-if TYPE_CHECKING:
-    from hotweights.handles.async_llm import AsyncLLMHandle
-
 __all__ = ["AsyncModel", "AsyncPausing", "AsyncWorkers", "LLMModel", "LLMPausing", "LLMWorkers", "LocalLora"]
 
 Drive = Callable[[Any, "float | None", str], Any]
@@ -28,6 +26,7 @@ Drive = Callable[[Any, "float | None", str], Any]
 SHORT_TIMEOUT = 60.0
 #: Seconds the family probe's one short request may take.
 PROBE_TIMEOUT = 120.0
+T = TypeVar("T")
 
 
 def direct(returned: Any, timeout: float | None, what: str) -> Any:
@@ -153,13 +152,38 @@ class LLMModel(ServedModel):
         return scoring.score(self.llm, token_ids)
 
 
+class ProbeGate(Protocol):
+    """What :class:`AsyncModel` asks of an ``AsyncLLM``'s gate while the family probe runs inside an install."""
+
+    relabel: str | None
+
+    def probing(self) -> AbstractContextManager[None]: ...
+
+
+class AsyncDriver(Protocol):
+    """What :class:`AsyncModel` asks of its handle (an :class:`~hotweights.handles.async_llm.AsyncLLMHandle`)."""
+
+    @property
+    def engine(self) -> Any: ...
+    @property
+    def workers(self) -> Workers: ...
+    @property
+    def gate(self) -> ProbeGate: ...
+    @property
+    def pause_mode(self) -> str: ...
+
+    def expected_weights(self) -> ExpectedWeights | None: ...
+    def get_weight_version(self) -> str | None: ...
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float | None, what: str) -> T: ...
+
+
 class AsyncModel(ServedModel):
     """The model an ``AsyncLLM`` serves: its config and dtype read here, scored by its own ``generate`` inside the
     install's pause."""
 
     probes = True
 
-    def __init__(self, handle: AsyncLLMHandle) -> None:
+    def __init__(self, handle: AsyncDriver) -> None:
         super().__init__(handle.workers, handle.expected_weights)
         self.handle = handle
 
