@@ -7,19 +7,17 @@ from __future__ import annotations
 import json
 import secrets
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
 from hotweights.core.errors import EngineNotSupportedError, HotWeightsError, InstallError
+from hotweights.core.manifest import ExpectedWeights
 from hotweights.handles.parts import Pausing, ServedModel
 from hotweights.handles.server import ServerAPI, loopback
 from hotweights.handles.workers import Workers
 from hotweights.telemetry import logger as _log
 from hotweights.vllm.compat import TESTED_VLLM
-
-if TYPE_CHECKING:
-    from hotweights.handles.remote import RemoteHandle
 
 __all__ = ["PROBE_ROUTE", "RemoteModel", "RemotePausing", "RemoteWorkers"]
 
@@ -104,10 +102,34 @@ class RemoteWorkers(Workers):
         return "shm" if self.same_host else "collective"
 
 
+class ServerGate(Protocol):
+    """What the parts ask of a server's gate: whether it fails closed, and the version label the probe moved."""
+
+    refusal: str | None
+    relabel: str | None
+
+
+class ServerHandle(Protocol):
+    """What :class:`RemotePausing` and :class:`RemoteModel` ask of their handle (a
+    :class:`~hotweights.handles.remote.RemoteHandle`)."""
+
+    @property
+    def server(self) -> ServerAPI: ...
+    @property
+    def workers(self) -> Workers: ...
+    @property
+    def gate(self) -> ServerGate: ...
+    @property
+    def pause_mode(self) -> str: ...
+
+    def expected_weights(self) -> ExpectedWeights | None: ...
+    def get_weight_version(self) -> str | None: ...
+
+
 class RemotePausing(Pausing):
     """A server's sleep and pause, through vLLM's ``/is_sleeping`` and ``/is_paused``."""
 
-    def __init__(self, handle: RemoteHandle) -> None:
+    def __init__(self, handle: ServerHandle) -> None:
         super().__init__(handle.workers)
         self.handle = handle
 
@@ -136,7 +158,7 @@ class RemoteModel(ServedModel):
 
     probes = True
 
-    def __init__(self, handle: RemoteHandle) -> None:
+    def __init__(self, handle: ServerHandle) -> None:
         super().__init__(handle.workers, handle.expected_weights)
         self.handle = handle
         self._facts: dict[str, Any] | None = None
