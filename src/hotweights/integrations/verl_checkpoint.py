@@ -36,7 +36,7 @@ from hotweights.adapters import Installer, VLLMMultiprocessAdapter
 from hotweights.core.errors import EngineNotSupportedError
 from hotweights.handles.handle import PauseMode
 from hotweights.handles.remote import PAUSE_MODES, RemoteHandle
-from hotweights.transports import make_transport
+from hotweights.transports import make_transport, transport_type
 
 try:
     from verl.checkpoint_engine.base import CheckpointEngine, CheckpointEngineRegistry
@@ -46,12 +46,14 @@ except ImportError as exc:  # pragma: no cover - this module is only imported by
         f"imported here ({exc}): install verl (tested: verl==0.9.1)"
     ) from exc
 
-__all__ = ["BACKEND", "VERL_EXTENSION", "HotWeightsCheckpointEngine", "VerlServer", "verl_server_urls"]
+__all__ = ["BACKEND", "TRANSPORTS", "VERL_EXTENSION", "HotWeightsCheckpointEngine", "VerlServer", "verl_server_urls"]
 
 #: The name verl's configuration gives this engine (``rollout.checkpoint_engine.backend``).
 BACKEND = "hotweights"
 #: The worker extension the replicas run (hotweights' own, with verl's ``update_weights_from_ipc``).
 VERL_EXTENSION = "hotweights.integrations.verl.VerlWorkerExtension"
+#: The transports this engine builds (``transport=``; unset: the server's default, ``shm`` on the trainer's host).
+TRANSPORTS = ("shm", "collective")
 #: How verl 0.9 names a replica's first server actor (vllm_async_server.py:1371, ``vLLMReplica.launch_servers``).
 SERVER_ACTOR = "vllm_server_{replica}_0"
 
@@ -101,7 +103,7 @@ class HotWeightsCheckpointEngine(CheckpointEngine):  # type: ignore[misc]
         timeout: float = 60.0,
         force: bool = False,
     ) -> None:
-        if transport not in (None, "shm", "collective"):
+        if transport is not None and transport not in TRANSPORTS:
             raise ValueError(f"transport is 'shm' or 'collective' (or unset: hotweights picks), not {transport!r}")
         if pause not in PAUSE_MODES:
             raise ValueError(f"pause is one of {PAUSE_MODES}, not {pause!r}")
@@ -201,10 +203,11 @@ class HotWeightsCheckpointEngine(CheckpointEngine):  # type: ignore[misc]
                 self._replicas[url] = (server, adapter)
 
     def _transport_for(self, server: VerlServer) -> Any:
-        if (self.transport or server.workers.default_transport) == "shm":
-            return "shm"
+        name = self.transport or server.workers.default_transport
+        if not transport_type(name).hosts_group:  # nothing of this trainer's to tell it: built by name
+            return name
         host = self.host or _node_address()
-        return make_transport("collective", host=host, backend=self.backend, timeout=self.timeout, device=self.device)
+        return make_transport(name, host=host, backend=self.backend, timeout=self.timeout, device=self.device)
 
     def adapters(self) -> dict[str, Installer]:
         """The adapter of each replica this rank installs into, by URL (empty on the other ranks)."""

@@ -46,6 +46,7 @@ __all__ = [
     "parse_descriptor",
     "receiver_for",
     "register_transport",
+    "transport_type",
     "wire_of",
 ]
 
@@ -74,9 +75,20 @@ def _module(name: str) -> ModuleType:
     return module
 
 
+def transport_type(name: str) -> type[WeightTransport]:
+    """The trainer-side class of the transport ``name``, to read what it declares before building one (e.g.
+    :attr:`~WeightTransport.hosts_group`).
+
+    Raises:
+        HotWeightsError: no transport of that name is registered (the message lists those that are).
+    """
+    kind: type[WeightTransport] = _module(name).Transport
+    return kind
+
+
 def make_transport(name: str, **options: Any) -> WeightTransport:
     """A trainer-side transport by name, e.g. ``make_transport("shm")``."""
-    transport = _module(name).Transport(**options)
+    transport = transport_type(name)(**options)
     assert isinstance(transport, WeightTransport)
     return transport
 

@@ -135,6 +135,7 @@ class Transport(WeightTransport):
     """
 
     name = "collective"
+    hosts_group = True
     #: What :meth:`send` stages for each bucket.
     descriptor: ClassVar[type[CollectiveDescriptor]] = CollectiveDescriptor
 

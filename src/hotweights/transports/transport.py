@@ -228,6 +228,10 @@ class WeightTransport(ABC):
     #: Whether each bucket's memory stays mapped in the workers between installs (released through the worker
     #: extension's ``release_segments``, so only paths that reach it may use such a transport).
     keeps_segments: bool = False
+    #: Whether the engine's workers join a process group this transport hosts (at :meth:`connect`): it is then built
+    #: with the address the workers reach the trainer at (``host``), a ``backend``, a ``timeout`` and the ``device``
+    #: it packs on, as :class:`hotweights.transports.collective.Transport` is.
+    hosts_group: ClassVar[bool] = False
 
     def rank_writable(self) -> Callable[[Bucket], AbstractContextManager[Any]] | None:
         """Where the ranks of a sharded install on this host can write their own rows of a bucket: ``written(bucket)``,
