@@ -198,10 +198,8 @@ def write_adapter(items: dict[str, torch.Tensor], files: dict[str, Any], weight_
 
 def _unsupported(items: dict[str, torch.Tensor], supported: set[str]) -> list[Mismatch]:
     modules = sorted({n.rsplit(".lora_", 1)[0] for n in items})
-    wanted = f"a module the engine's LoRA layers take ({', '.join(sorted(supported))})"
-    return [
-        Mismatch("unexpected", m, wanted, "not supported") for m in modules if m.rsplit(".", 1)[-1] not in supported
-    ]
+    found = f"a module the engine's LoRA layers do not take; they take {', '.join(sorted(supported))}"
+    return [Mismatch("unexpected", m, actual=found) for m in modules if m.rsplit(".", 1)[-1] not in supported]
 
 
 def lora_request(engine: Any, name: str) -> Any:

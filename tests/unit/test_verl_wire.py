@@ -72,3 +72,89 @@ def test_without_verl_the_extension_says_what_to_install() -> None:
         pytest.skip("verl is installed here")
     with pytest.raises(ImportError, match=r"install verl"):
         verl.VerlWorkerExtension  # noqa: B018
+
+
+def test_peft_names_of_base_weights_map_to_the_checkpoints() -> None:
+    from hotweights.integrations.verl_update import base_name
+
+    assert base_name("model.layers.0.self_attn.q_proj.base_layer.weight") == "model.layers.0.self_attn.q_proj.weight"
+    assert (
+        base_name("base_model.model.model.layers.1.mlp.down_proj.base_layer.bias")
+        == "model.layers.1.mlp.down_proj.bias"
+    )
+    assert base_name("base_model.model.lm_head.weight") == "lm_head.weight"
+    assert base_name("model.norm.weight") == "model.norm.weight"
+
+
+def test_an_adapter_sync_copies_each_tensor_out_and_refuses_a_repeat_or_an_overrun() -> None:
+    from hotweights.core.errors import WeightManifestValidationError
+    from hotweights.integrations.verl_update import AdapterUpdate
+
+    buffer = torch.arange(16, dtype=torch.float32).view(torch.uint8)
+    update = AdapterUpdate(worker=None, version=1, expected=None, config={})
+    update.stage(buffer, [("a.lora_A.weight", torch.Size([2, 2]), torch.float32, 0)])
+    buffer.zero_()  # verl's sender rewrites its buffer once answered
+    assert update.tensors["a.lora_A.weight"].tolist() == [[0.0, 1.0], [2.0, 3.0]]
+    with pytest.raises(WeightManifestValidationError, match="sent twice") as info:
+        update.stage(buffer, [("a.lora_A.weight", torch.Size([2, 2]), torch.float32, 0)])
+    assert [m.name for m in info.value.mismatches] == ["a.lora_A.weight"]
+    with pytest.raises(WeightManifestValidationError, match="outside verl's 64-byte buffer"):
+        update.stage(buffer, [("b.lora_A.weight", torch.Size([4, 4]), torch.float32, 8)])
+    update.abort()
+    assert update.tensors == {} and update.commit() == {}  # nothing sent: nothing installed
+
+
+def test_the_worker_side_adapter_checks_name_every_module_its_lora_layers_do_not_take() -> None:
+    from types import SimpleNamespace
+
+    from hotweights._lora import checked_adapter, worker_lora_modules, worker_lora_rank
+    from hotweights.core.errors import WeightManifestValidationError
+
+    manager = SimpleNamespace(
+        supported_lora_modules=["qkv_proj", "o_proj"],
+        packed_modules_mapping={"qkv_proj": ["q_proj", "k_proj", "v_proj"]},
+    )
+    worker = SimpleNamespace(
+        model_runner=SimpleNamespace(lora_manager=SimpleNamespace(_adapter_manager=manager)),
+        vllm_config=SimpleNamespace(lora_config=SimpleNamespace(max_lora_rank=8)),
+    )
+    supported = worker_lora_modules(worker)
+    assert supported == {"q_proj", "k_proj", "v_proj", "o_proj"} and worker_lora_rank(worker) == 8
+    assert worker_lora_rank(SimpleNamespace(vllm_config=SimpleNamespace(lora_config=None))) is None
+    tensors = {
+        "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": torch.zeros(8, 16),
+        "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight": torch.zeros(16, 8),
+        "base_model.model.lm_head.lora_A.weight": torch.zeros(8, 16),
+        "base_model.model.lm_head.lora_B.weight": torch.zeros(32, 8),
+    }
+    with pytest.raises(
+        WeightManifestValidationError, match="LoRA layers do not take; they take k_proj, o_proj, q_proj, v_proj"
+    ) as info:
+        checked_adapter(tensors, None, 8, name="123", supported=supported)
+    assert [(m.kind, m.name) for m in info.value.mismatches] == [("unexpected", "base_model.model.lm_head")]
+    del tensors["base_model.model.lm_head.lora_A.weight"], tensors["base_model.model.lm_head.lora_B.weight"]
+    items, files = checked_adapter(tensors, None, 8, name="123", config={"r": 8, "lora_alpha": 16}, supported=supported)
+    assert len(items) == 2 and files["target_modules"] == ["q_proj"] and files["lora_alpha"] == 16
+
+
+def test_verls_lora_loader_patch_is_undone_and_nothing_else() -> None:
+    worker_manager = pytest.importorskip("vllm.lora.worker_manager")
+    cls = worker_manager.LRUCacheWorkerLoRAManager
+    assert "_load_adapter" not in vars(cls)
+
+    def hijack__load_adapter(self: object, request: object) -> None:  # what verl's VLLMHijack sets
+        raise AssertionError
+
+    hijack__load_adapter.__module__ = "verl.utils.vllm.utils"
+    cls._load_adapter = hijack__load_adapter
+    try:
+        verl._vllms_lora_loader()
+        assert "_load_adapter" not in vars(cls)
+        assert cls._load_adapter is worker_manager.WorkerLoRAManager._load_adapter  # vLLM's own
+        own = worker_manager.WorkerLoRAManager._load_adapter
+        cls._load_adapter = own  # anything not verl's stays
+        verl._vllms_lora_loader()
+        assert vars(cls)["_load_adapter"] is own
+    finally:
+        if "_load_adapter" in vars(cls):
+            delattr(cls, "_load_adapter")
