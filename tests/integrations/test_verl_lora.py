@@ -212,6 +212,16 @@ def test_an_adapter_that_does_not_fit_is_refused_naming_each_problem(engine: Any
     assert scored(engine, verls_request()) == fresh.served[1] and scored(engine) == fresh.plain
 
 
+def test_an_adapter_vllm_refuses_leaves_the_previous_one_serving(engine: Any, fresh: Fresh) -> None:
+    """An adapter that passes hotweights' checks but not vLLM's (a DoRA config): vLLM loads the new adapter before it
+    drops the old one (``load_inplace``), so the previous adapter still serves under verl's id."""
+    _, error, _ = _lora_sync(engine, fresh.adapters[0])
+    assert error is None, error
+    _, error, _ = _sync(engine, fresh.adapters[1], peft_config={**PEFT_CONFIG, "use_dora": True}, base_sync_done=True)
+    assert isinstance(error, hotweights.InstallError) and "DoRA" in str(error), error
+    assert _loaded(engine) and scored(engine, verls_request()) == fresh.served[0] and scored(engine) == fresh.plain
+
+
 def test_the_first_sync_of_a_lora_run_installs_the_base_under_peft_names(engine: Any, fresh: Fresh) -> None:
     """verl's first sync of a LoRA run: the base weights under PEFT's names (``peft_config`` set,
     ``base_sync_done=False``), installed as the checkpoint names them; the adapter applies on the new base."""
