@@ -25,10 +25,16 @@ from hotweights.testing import (
     greedy_vllm,
     save_tiny_model,
     start_engine,
-    stop_engine,
 )
+from hotweights.testing import stop_engine as _stop_engine
 
 from ..conftest import our_shm
+
+
+def stop_engine(llm: Any, *, wait: bool = False) -> None:
+    """Stop ``llm``; a multiprocess engine's teardown (about 4 s in vLLM) goes on in the background while the next
+    test starts its engine. ``wait=True`` where a test checks what the engine's exit removes."""
+    _stop_engine(llm, wait=wait)
 
 
 @dataclass(frozen=True)

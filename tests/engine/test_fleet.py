@@ -77,7 +77,7 @@ def replicas(checkpoint: Callable[[Variant, int], TinyCheckpoint]) -> Iterator[R
     loop.close()
     for llm in llms:
         with contextlib.suppress(Exception):  # the last test killed the second one's engine
-            stop_engine(llm)
+            stop_engine(llm, wait=True)
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     assert our_shm() == []
 

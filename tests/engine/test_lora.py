@@ -177,7 +177,7 @@ def test_the_adapter_alone_into_a_multiprocess_llm(lora: Lora) -> None:
             assert greedy(llm, hotweights.lora_request(llm, "policy")) == lora.fresh[i]
         assert greedy(llm) == lora.fresh_base
     finally:
-        stop_engine(llm)
+        stop_engine(llm, wait=True)
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     assert set(our_shm()) <= before  # the adapter's files went with the engine
 

@@ -75,7 +75,7 @@ def engine(checkpoint: Callable[[Variant, int], TinyCheckpoint]) -> Iterator[Eng
     llm = start_engine(a.path, multiprocess=True, worker_extension_cls=hotweights.WORKER_EXTENSION)
     assert type(llm.llm_engine.engine_core).__name__ != "InprocClient"
     yield Engine(llm, a, b)
-    stop_engine(llm)
+    stop_engine(llm, wait=True)
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     # the files hotweights.install's adapter kept for its next install go with the engine, not with this process
     left = sorted(p.name for p in SHM_DIR.glob(f"hotweights-{os.getpid()}-*"))

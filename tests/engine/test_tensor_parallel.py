@@ -58,7 +58,7 @@ def tp2_engine(path: Path) -> Iterator[Any]:
         assert llm.llm_engine.vllm_config.parallel_config.world_size == 2
         yield llm
     finally:
-        stop_engine(llm)
+        stop_engine(llm, wait=True)  # the next TP engine binds the same cores
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         if previous is None:
             os.environ.pop(BIND, None)

@@ -24,6 +24,7 @@ from hotweights.testing._engines import (
     start_engine,
     start_reference_engine,
     stop_engine,
+    wait_for_stopped_engines,
 )
 from hotweights.testing._families import (
     ALWAYS_TIED,
@@ -62,4 +63,5 @@ __all__ = [
     "stop_engine",
     "tiny_config",
     "tp_chunk",
+    "wait_for_stopped_engines",
 ]

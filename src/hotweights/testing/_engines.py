@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import atexit
 import os
 import threading
 from collections.abc import Callable, Coroutine, Sequence
@@ -22,6 +23,7 @@ __all__ = [
     "start_engine",
     "start_reference_engine",
     "stop_engine",
+    "wait_for_stopped_engines",
 ]
 
 T = TypeVar("T")
@@ -177,14 +179,41 @@ class EventLoopThread:
         self.thread.join(timeout=10)
 
 
-def stop_engine(llm: Any) -> None:
+#: Multiprocess engines told to stop by ``stop_engine(llm, wait=False)`` whose teardown is still running.
+_STOPPING: list[threading.Thread] = []
+
+
+def stop_engine(llm: Any, *, wait: bool = True) -> None:
     """Shut an engine down now.
 
     In-process engines must be stopped explicitly: vLLM ``gc.freeze()``-s objects at start-up, so a dropped engine
     may be collected much later, and its finalizer then tears down the process-wide parallel groups that the
-    *current* engine uses ("pipeline model parallel group is not initialized").
+    *current* engine uses ("pipeline model parallel group is not initialized"). An in-process engine is always
+    stopped before this returns.
+
+    ``wait=False`` lets a multiprocess engine finish its teardown in the background (vLLM takes about 4 s on CPU
+    to let its processes exit) while the caller starts the next engine; :func:`wait_for_stopped_engines` waits for
+    every such engine, and runs at exit. Use it only where the next engine does not need the memory the old one
+    frees (not on a GPU), and not before checking what the engine's exit removes (its shared-memory files).
     """
-    llm.llm_engine.engine_core.shutdown()
+    from vllm.v1.engine.core_client import MPClient
+
+    core = llm.llm_engine.engine_core
+    if wait or not isinstance(core, MPClient):
+        core.shutdown()
+        return
+    thread = threading.Thread(target=core.shutdown, name="hotweights-stop-engine", daemon=True)
+    thread.start()
+    _STOPPING.append(thread)
+
+
+def wait_for_stopped_engines(timeout: float = 30.0) -> None:
+    """Wait (at most ``timeout`` seconds each) for the engines ``stop_engine(llm, wait=False)`` left stopping."""
+    while _STOPPING:
+        _STOPPING.pop().join(timeout)
+
+
+atexit.register(wait_for_stopped_engines)
 
 
 def greedy_vllm(llm: Any, prompts: Sequence[Sequence[int]] = PROMPTS, max_tokens: int = 8) -> list[list[int]]:
