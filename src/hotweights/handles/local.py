@@ -12,7 +12,7 @@ from typing import Any, Protocol, TypeVar
 import torch
 
 from hotweights.core.manifest import ExpectedWeights
-from hotweights.handles.parts import LoraOps, Pausing, ServedModel
+from hotweights.handles.parts import LoraOps, PartOwner, Pausing, ServedModel
 from hotweights.handles.workers import Workers
 from hotweights.vllm import fixes, introspect, rpc, scoring
 from hotweights.vllm.patches import SleepTracker
@@ -160,20 +160,14 @@ class ProbeGate(Protocol):
     def probing(self) -> AbstractContextManager[None]: ...
 
 
-class AsyncDriver(Protocol):
+class AsyncDriver(PartOwner, Protocol):
     """What :class:`AsyncModel` asks of its handle (an :class:`~hotweights.handles.async_llm.AsyncLLMHandle`)."""
 
     @property
     def engine(self) -> Any: ...
     @property
-    def workers(self) -> Workers: ...
-    @property
     def gate(self) -> ProbeGate: ...
-    @property
-    def pause_mode(self) -> str: ...
 
-    def expected_weights(self) -> ExpectedWeights | None: ...
-    def get_weight_version(self) -> str | None: ...
     def run(self, coro: Coroutine[Any, Any, T], timeout: float | None, what: str) -> T: ...
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -20,6 +20,18 @@ from hotweights.handles.workers import STATUS_TIMEOUT, NoWorkers, Workers
 __all__ = ["LoraOps", "Pausing", "ServedModel"]
 
 log = logging.getLogger("hotweights")
+
+
+class PartOwner(Protocol):
+    """What a handle's parts ask of the handle that builds them: its workers, pause mode and versions."""
+
+    @property
+    def workers(self) -> Workers: ...
+    @property
+    def pause_mode(self) -> str: ...
+
+    def expected_weights(self) -> ExpectedWeights | None: ...
+    def get_weight_version(self) -> str | None: ...
 
 
 class Pausing:

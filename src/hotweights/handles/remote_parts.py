@@ -12,8 +12,7 @@ from typing import Any, Protocol
 import torch
 
 from hotweights.core.errors import EngineNotSupportedError, HotWeightsError, InstallError
-from hotweights.core.manifest import ExpectedWeights
-from hotweights.handles.parts import Pausing, ServedModel
+from hotweights.handles.parts import PartOwner, Pausing, ServedModel
 from hotweights.handles.server import ServerAPI, loopback
 from hotweights.handles.workers import Workers
 from hotweights.telemetry import logger as _log
@@ -109,21 +108,14 @@ class ServerGate(Protocol):
     relabel: str | None
 
 
-class ServerHandle(Protocol):
+class ServerHandle(PartOwner, Protocol):
     """What :class:`RemotePausing` and :class:`RemoteModel` ask of their handle (a
     :class:`~hotweights.handles.remote.RemoteHandle`)."""
 
     @property
     def server(self) -> ServerAPI: ...
     @property
-    def workers(self) -> Workers: ...
-    @property
     def gate(self) -> ServerGate: ...
-    @property
-    def pause_mode(self) -> str: ...
-
-    def expected_weights(self) -> ExpectedWeights | None: ...
-    def get_weight_version(self) -> str | None: ...
 
 
 class RemotePausing(Pausing):
