@@ -51,8 +51,6 @@ __all__ = [
     "install_lora_async",
     "install_lora_in_worker",
     "lora_request",
-    "worker_lora_modules",
-    "worker_lora_rank",
     "write_adapter",
 ]
 
@@ -309,23 +307,6 @@ def _remove(slots: list[_Slot]) -> None:
 
 
 # ------------------------------------------------------------------------------------ from inside a worker
-def worker_lora_rank(worker: Any) -> int | None:
-    """The largest rank a vLLM worker's engine takes; None where it was started without LoRA (``enable_lora``)."""
-    config = getattr(getattr(worker, "vllm_config", None), "lora_config", None)
-    return int(config.max_lora_rank) if config is not None else None
-
-
-def worker_lora_modules(worker: Any) -> set[str] | None:
-    """The module names (last part, e.g. ``q_proj``) a vLLM worker's LoRA layers take, packed ones unpacked as vLLM
-    reads an adapter (``qkv_proj`` -> ``q_proj``, ``k_proj``, ``v_proj``); None where the worker does not say."""
-    manager = getattr(getattr(getattr(worker, "model_runner", None), "lora_manager", None), "_adapter_manager", None)
-    supported = getattr(manager, "supported_lora_modules", None)
-    if not supported:
-        return None
-    packed: dict[str, list[str]] = getattr(manager, "packed_modules_mapping", None) or {}
-    return {name for module in supported for name in packed.get(module, [module])}
-
-
 def install_lora_in_worker(
     worker: Any,
     tensors: TensorsLike,
@@ -349,14 +330,14 @@ def install_lora_in_worker(
         NonFiniteWeightsError: a tensor holds NaN or Inf (each named, with counts).
         InstallError: vLLM refused the adapter while loading it; the previous adapter of that id still serves.
     """
-    max_rank = worker_lora_rank(worker)
+    max_rank = introspect.worker_lora_rank(worker)
     if max_rank is None:
         raise EngineNotSupportedError(
             f"LoRA adapter {name!r} arrived, but the engine was started without LoRA: start it with enable_lora=True "
             "and max_lora_rank at least the adapter's rank"
         )
     start = time.perf_counter()
-    supported = worker_lora_modules(worker)
+    supported = introspect.worker_lora_modules(worker)
     items, files = checked_adapter(tensors, expected, max_rank, name=name, config=config, supported=supported)
     checked = time.perf_counter()
     directory = write_adapter(items, files, weight_version)

@@ -107,8 +107,9 @@ def test_an_adapter_sync_copies_each_tensor_out_and_refuses_a_repeat_or_an_overr
 def test_the_worker_side_adapter_checks_name_every_module_its_lora_layers_do_not_take() -> None:
     from types import SimpleNamespace
 
-    from hotweights._lora import checked_adapter, worker_lora_modules, worker_lora_rank
+    from hotweights._lora import checked_adapter
     from hotweights.core.errors import WeightManifestValidationError
+    from hotweights.vllm.introspect import worker_lora_modules, worker_lora_rank
 
     manager = SimpleNamespace(
         supported_lora_modules=["qkv_proj", "o_proj"],

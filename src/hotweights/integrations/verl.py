@@ -35,7 +35,6 @@ from typing import Any
 
 import torch
 
-from hotweights._lora import worker_lora_rank
 from hotweights.core import attach
 from hotweights.core.envelope import enveloped
 from hotweights.core.errors import (
@@ -46,6 +45,7 @@ from hotweights.core.errors import (
 from hotweights.core.manifest import ExpectedWeights
 from hotweights.integrations.verl_update import TRANSPORT, AdapterUpdate, Update, base_name
 from hotweights.transports import BucketReceiver, Descriptor, Opened, available_transports, register_transport
+from hotweights.vllm import introspect
 from hotweights.vllm.worker.extension import HotWeightsWorkerExtension
 
 __all__ = [
@@ -247,7 +247,7 @@ class VerlReceiver(HotWeightsWorkerExtension):
                 f"update_weights_from_ipc got {sorted(unknown)}, which hotweights' verl extension does not know: "
                 "use the verl version it was tested with (0.9) or remove those arguments"
             )
-        elif peft_config and base_sync_done and worker_lora_rank(worker) is None:
+        elif peft_config and base_sync_done and introspect.worker_lora_rank(worker) is None:
             refusal = EngineNotSupportedError(
                 "verl sent a LoRA adapter, but the engine was started without LoRA: start it with enable_lora=True "
                 "and max_lora_rank at least the adapter's rank (verl's rollout does when "

@@ -43,6 +43,8 @@ __all__ = [
     "weight_transfer_backend",
     "weights_asleep_inprocess",
     "worker_extension",
+    "worker_lora_modules",
+    "worker_lora_rank",
 ]
 
 _log = logging.getLogger("hotweights")
@@ -145,6 +147,23 @@ def lora_request(name: str, lora_id: int, path: str, *, replace: bool = False) -
     from vllm.lora.request import LoRARequest
 
     return LoRARequest(name, lora_id, path, load_inplace=replace)
+
+
+def worker_lora_rank(worker: Any) -> int | None:
+    """The largest rank a vLLM worker's engine takes; None where it was started without LoRA (``enable_lora``)."""
+    config = getattr(getattr(worker, "vllm_config", None), "lora_config", None)
+    return int(config.max_lora_rank) if config is not None else None
+
+
+def worker_lora_modules(worker: Any) -> set[str] | None:
+    """The module names (last part, e.g. ``q_proj``) a vLLM worker's LoRA layers take, packed ones unpacked as vLLM
+    reads an adapter (``qkv_proj`` -> ``q_proj``, ``k_proj``, ``v_proj``); None where the worker does not say."""
+    manager = getattr(getattr(getattr(worker, "model_runner", None), "lora_manager", None), "_adapter_manager", None)
+    supported = getattr(manager, "supported_lora_modules", None)
+    if not supported:
+        return None
+    packed: dict[str, list[str]] = getattr(manager, "packed_modules_mapping", None) or {}
+    return {name for module in supported for name in packed.get(module, [module])}
 
 
 def engine_load_config(llm: Any) -> Any:
