@@ -1,7 +1,7 @@
 """``hotweights.Fleet(engines)``: N rollout replicas switch to a version together, or not at all.
 
-One install per replica, each in its own thread, through the adapter :func:`hotweights.adapter_for` picks for it,
-inside one :class:`~hotweights.core.two_phase.Coordinator`:
+One install per replica, each in its own thread, through the adapter :func:`hotweights.adapter_for` picks for it
+(or the one given for it: ``Fleet(engines, adapters=...)``), inside one :class:`~hotweights.core.two_phase.Coordinator`:
 
 1. **stage**: every replica validates the update, receives it (replicas that share a transport get each bucket
    written once: one ``/dev/shm`` file for the replicas on this host, one object-store copy for Ray actors) and
@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from hotweights._family import check_family
@@ -57,6 +57,9 @@ class Fleet:
     Args:
         engines: ``vllm.LLM`` (with or without the worker extension), ``AsyncLLM``, ``hotweights.connect(url)``
             handles, Ray-hosted engines (:func:`hotweights.integrations.ray.engine`), in any mix.
+        adapters: one per engine, in the same order: the adapter that replica installs through, built on that
+            engine (its own transport or bucket size, as :func:`hotweights.install`'s ``adapter=``), or None for
+            the one :func:`hotweights.adapter_for` picks. Default: :func:`hotweights.adapter_for` for every one.
         timeout: seconds for the whole stage phase (every replica); past it every replica aborts.
         staging_expiry: seconds the replicas' workers keep a staged update without a commit (at most 3600).
 
@@ -65,12 +68,20 @@ class Fleet:
         >>> report = fleet.install(model.state_dict(), weight_version=step)          # doctest: +SKIP
     """
 
-    def __init__(self, engines: Iterable[Any], *, timeout: float | None = 600.0, staging_expiry: float = 600.0) -> None:
+    def __init__(
+        self,
+        engines: Iterable[Any],
+        *,
+        adapters: Sequence[WeightInstallAdapter | None] | None = None,
+        timeout: float | None = 600.0,
+        staging_expiry: float = 600.0,
+    ) -> None:
         self.engines: list[EngineHandle] = [as_engine(e) for e in engines]
         if not self.engines:
             raise ValueError("a Fleet needs at least one engine")
         if len({id(h) for h in self.engines}) != len(self.engines):
             raise ValueError("the same engine appears twice in the fleet; list each replica once")
+        self._given = _given_adapters(self.engines, adapters)
         if not 0 < staging_expiry <= MAX_EXPIRY_S:
             raise ValueError(f"staging_expiry must be in (0, {MAX_EXPIRY_S:g}] seconds, got {staging_expiry}")
         self.timeout = timeout
@@ -81,9 +92,9 @@ class Fleet:
         return len(self.engines)
 
     def adapters(self) -> list[WeightInstallAdapter]:
-        """The adapter of each replica (:func:`hotweights.adapter_for`); refuses engines that cannot stage apart
-        from their commit."""
-        chosen = [adapter_for(e) for e in self.engines]
+        """The adapter of each replica (the one given for it, else :func:`hotweights.adapter_for`); refuses engines
+        that cannot stage apart from their commit."""
+        chosen = [a if a is not None else adapter_for(e) for e, a in zip(self.engines, self._given, strict=True)]
         for i, a in enumerate(chosen):
             if a.stages_apart:
                 continue
@@ -134,7 +145,9 @@ class Fleet:
 
     def _stage(self, tensors: TensorsLike, weight_version: int, options: InstallOptions) -> StagedUpdate:
         if options.get("adapter") is not None:
-            raise ValueError("adapter= names one engine's adapter; a fleet installs through each replica's own")
+            raise ValueError(
+                "adapter= names one engine's adapter; give a fleet one per replica: Fleet(engines, adapters=[...])"
+            )
         if not self._lock.acquire(blocking=False):
             raise HotWeightsError("this fleet has an install staged or running; commit or abort it first")
         try:
@@ -185,6 +198,27 @@ class Fleet:
             run.finish(release=False)
             raise run.staging_error()
         return StagedUpdate(run)
+
+
+def _given_adapters(
+    engines: list[EngineHandle], adapters: Sequence[WeightInstallAdapter | None] | None
+) -> list[WeightInstallAdapter | None]:
+    """``adapters`` checked against ``engines``: one per engine, each built on its engine."""
+    if adapters is None:
+        return [None] * len(engines)
+    given = list(adapters)
+    if len(given) != len(engines):
+        raise ValueError(
+            f"a Fleet takes one adapter per engine (None: hotweights picks): {len(given)} adapters for "
+            f"{len(engines)} engines"
+        )
+    for i, (engine, adapter) in enumerate(zip(engines, given, strict=True)):
+        if adapter is not None and adapter.engine is not engine:
+            raise ValueError(
+                f"adapters[{i}] was built on another engine than engine {i} ({engine.describe()}): build it on that "
+                "engine's handle"
+            )
+    return given
 
 
 def _group(coordinator: two_phase.Coordinator, adapters: list[WeightInstallAdapter]) -> None:
