@@ -8,7 +8,8 @@ where that runs without Ray and a GPU: the engine loaded through ``custom_backen
 the server's Ray actor); ``prepare``, ``build_topology``, ``init_process_group`` through verl's
 ``execute_checkpoint_engine``; then verl's ``ActorRolloutRefWorker.update_weights`` beside the rollout worker's
 ``update_weights``; then ``finalize``. The server runs hotweights' verl extension (bf16; verl's actor sends fp32).
-Runs in .venv-verl (``make test-verl``); skipped where verl is not installed.
+Two replicas switch together or not at all. Runs in .venv-verl (``make test-verl``); skipped where verl is not
+installed.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ os.environ.pop("VLLM_ALLOW_INSECURE_SERIALIZATION", None)
 os.environ.setdefault("VERL_RAY_JOB_ID", f"hotweights-test-{os.getpid()}")  # the server inherits it
 
 import hotweights
-from hotweights.integrations.verl_checkpoint import VERL_EXTENSION
+from hotweights.integrations.verl_checkpoint import VERL_EXTENSION, VerlServer
 from hotweights.testing import PROMPTS, build_tiny_model, greedy_vllm, save_tiny_model, start_engine, stop_engine
 
 from ..conftest import our_shm
@@ -69,12 +70,24 @@ def fresh(tmp_path_factory: pytest.TempPathFactory) -> dict[int, tuple[Path, lis
     return out
 
 
-@pytest.fixture(scope="module")
-def server(fresh: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+def _start(fresh: Any, tmp_path_factory: pytest.TempPathFactory) -> Server:
     """A replica's server as verl starts it with hotweights: the dev routes, hotweights' verl extension."""
     log = tmp_path_factory.mktemp("verl-server") / "server.log"
     extra = ["--dtype", DTYPE, "--worker-extension-cls", VERL_EXTENSION]
-    proc = start_server(fresh[0][0], log, extra=extra)
+    return start_server(fresh[0][0], log, extra=extra)
+
+
+@pytest.fixture(scope="module")
+def server(fresh: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    proc = _start(fresh, tmp_path_factory)
+    yield proc
+    proc.kill()
+
+
+@pytest.fixture(scope="module")
+def second(fresh: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """A second replica's server (the last test kills it)."""
+    proc = _start(fresh, tmp_path_factory)
     yield proc
     proc.kill()
 
@@ -263,3 +276,32 @@ def test_collective_transport_refusal_then_step(server: Server, rollout: Any, fr
     assert _served(server) == fresh[target][1] and version.get_weight_version() == "11"
     assert trainer.checkpoint_engine.adapters()[server.url].transport.name == "collective"
     trainer.checkpoint_engine.close()
+
+
+def test_two_replicas_switch_together_or_not_at_all(server: Server, second: Server, rollout: Any, fresh: Any) -> None:
+    """A sync that one replica of two refuses (it serves a newer version than the trainer's step: another trainer
+    installed it) raises the typed error in verl's trainer, and both replicas keep their version, token for token;
+    the next sync moves both. Then one replica's server dies: a sync raises, and the other keeps its version."""
+    old, new = 1, 2
+    assert fresh[old][1] != fresh[new][1], "the two policies give the same outputs"
+    a, b = VerlServer(server.url), VerlServer(second.url)
+    for handle, version in ((a, 20), (b, 30)):  # both on the old policy; the second replica ahead of the trainer
+        hotweights.install(handle, _weights(old), weight_version=version, cast="engine", force=True)
+    trainer = _trainer(_config(urls=[server.url, second.url]))
+    _, errors = _sync(trainer, rollout, _weights(new), 25)
+    assert len(errors) == 1 and isinstance(errors[0], hotweights.StaleWeightVersionError), errors
+    assert [_served(s) for s in (server, second)] == [fresh[old][1]] * 2, "a replica moved without the other"
+    assert [h.get_weight_version() for h in (a, b)] == ["20", "30"]
+
+    metrics, errors = _sync(trainer, rollout, _weights(new), 31)
+    assert not errors and metrics["hotweights/replicas"] == 2 and metrics["hotweights/weight_version"] == 31, errors
+    assert [_served(s) for s in (server, second)] == [fresh[new][1]] * 2
+    assert [h.get_weight_version() for h in (a, b)] == ["31", "31"]
+    print(f"\ntwo replicas: {metrics['hotweights/seconds'] * 1e3:.0f} ms, {metrics['hotweights/bytes_sent']:.0f} B")
+
+    second.kill()
+    _, errors = _sync(trainer, rollout, _weights(old), 32)
+    assert len(errors) == 1 and isinstance(errors[0], hotweights.HotWeightsError), errors
+    assert _served(server) == fresh[new][1] and a.get_weight_version() == "31"
+    trainer.checkpoint_engine.close()
+    assert not our_shm()

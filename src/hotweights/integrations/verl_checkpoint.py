@@ -10,14 +10,15 @@ verl (0.9) moves weights from a trainer to rollout replicas that do not share it
     actor_rollout_ref.rollout.checkpoint_engine.custom_backend_module=hotweights.integrations.verl_checkpoint
 
 registers the ``hotweights`` backend (verl imports the module on every worker before it builds the engine).
-Trainer rank 0 installs each sync with :func:`hotweights.install_async` into each replica's vLLM server, reached
-over HTTP (:func:`hotweights.connect`): checked against what the server serves before a byte moves, streamed in
-buckets through the transport hotweights picks (``/dev/shm`` on the trainer's host, else a ``torch.distributed``
-broadcast: ``collective``), committed atomically and versioned by verl's ``global_steps``. A refused update raises
-hotweights' typed error from ``send_weights`` (so in verl's trainer), and the replica keeps serving its previous
-version. The other trainer ranks walk verl's weight generator (producing a tensor is collective over them), and the
-rollout side receives nothing: the weights are in the engine already, and verl's ``ServerAdapter`` then sends an
-empty update, which hotweights' verl extension answers without installing anything.
+Trainer rank 0 installs each sync into every replica's vLLM server, reached over HTTP (:func:`hotweights.connect`):
+checked against what the server serves before a byte moves, streamed in buckets through the transport hotweights
+picks (``/dev/shm`` on the trainer's host, else a ``torch.distributed`` broadcast: ``collective``), committed
+atomically and versioned by verl's ``global_steps``; several replicas switch together or not at all
+(:class:`hotweights.Fleet`). A refused update raises hotweights' typed error from ``send_weights`` (so in verl's
+trainer), and every replica keeps serving its previous version. The other trainer ranks walk verl's weight generator
+(producing a tensor is collective over them), and the rollout side receives nothing: the weights are in the engine
+already, and verl's ``ServerAdapter`` then sends an empty update, which hotweights' verl extension answers without
+installing anything.
 
 The replicas run vLLM's dev routes (``VLLM_SERVER_DEV_MODE=1``) and hotweights' verl worker extension
 (``engine_kwargs.vllm.worker_extension_cls=hotweights.integrations.verl.VerlWorkerExtension``); their URLs are
@@ -26,7 +27,6 @@ the engine's ``urls``, or found as verl names its servers (``docs/verl.md``).
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import AsyncIterator, Iterable
 from typing import Any
@@ -143,9 +143,15 @@ class HotWeightsCheckpointEngine(CheckpointEngine):  # type: ignore[misc]
         """Install ``weights`` (verl's ``(name, tensor)`` generator, sync or async) into every replica as version
         ``global_steps`` (None: one more than the last sync). Returns verl's sync metrics.
 
+        With several replicas the install is :class:`hotweights.Fleet`'s, all or nothing: every replica validates
+        and receives the update (staged, nothing written), and only when all have it does any write it.
+
         Raises:
             WeightManifestValidationError, NonFiniteWeightsError, StaleWeightVersionError, ...: hotweights' typed
-                errors, each replica keeping its previous version (the error of the first replica that refused).
+                errors: the first replica that refused, with a note naming it; every replica keeps its previous
+                version.
+            FleetPartialCommitError: a replica failed while writing (after every one had staged): it is fenced
+                (refuses generation until the next sync heals it), the others serve ``global_steps``.
             EngineNotSupportedError: trainer rank 0 knows no replica.
         """
         items = [(name, tensor) async for name, tensor in _walk(weights)]  # every rank walks verl's generator
@@ -159,31 +165,31 @@ class HotWeightsCheckpointEngine(CheckpointEngine):  # type: ignore[misc]
             )
         version = self.version + 1 if global_steps is None else int(global_steps)
         start = time.perf_counter()
-        reports = await asyncio.gather(
-            *(
-                hotweights.install_async(
-                    server,
-                    items,
-                    weight_version=version,
-                    adapter=adapter,
-                    cast="engine",
-                    pause=self.pause,
-                    force=self.force,
-                )
-                for server, adapter in self._replicas.values()
-            ),
-            return_exceptions=True,
-        )
-        failed = [r for r in reports if isinstance(r, BaseException)]
-        if failed:
-            raise failed[0]
+        replicas = list(self._replicas.values())
+        if len(replicas) == 1:
+            server, adapter = replicas[0]
+            report = await hotweights.install_async(
+                server,
+                items,
+                weight_version=version,
+                adapter=adapter,
+                cast="engine",
+                pause=self.pause,
+                force=self.force,
+            )
+            sent = report.bytes_sent
+        else:  # all or nothing: every replica stages, then every one commits; one refusal aborts them all
+            fleet = hotweights.Fleet([s for s, _ in replicas], adapters=[a for _, a in replicas])
+            done = await fleet.install_async(
+                items, weight_version=version, cast="engine", pause=self.pause, force=self.force
+            )
+            sent = done.bytes_written
         self.version = version
-        sent = sum(r.bytes_sent for r in reports if not isinstance(r, BaseException))
         return {
             "hotweights/weight_version": float(version),
             "hotweights/seconds": time.perf_counter() - start,
             "hotweights/bytes_sent": float(sent),
-            "hotweights/replicas": float(len(reports)),
+            "hotweights/replicas": float(len(replicas)),
         }
 
     async def receive_weights(self, global_steps: int | None = None) -> AsyncIterator[tuple[str, Any]]:
