@@ -290,6 +290,7 @@ def test_two_replicas_switch_together_or_not_at_all(server: Server, second: Serv
     trainer = _trainer(_config(urls=[server.url, second.url]))
     _, errors = _sync(trainer, rollout, _weights(new), 25)
     assert len(errors) == 1 and isinstance(errors[0], hotweights.StaleWeightVersionError), errors
+    assert "replica 1" in " ".join(getattr(errors[0], "__notes__", [])), "the error names the replica"
     assert [_served(s) for s in (server, second)] == [fresh[old][1]] * 2, "a replica moved without the other"
     assert [h.get_weight_version() for h in (a, b)] == ["20", "30"]
 
@@ -301,7 +302,8 @@ def test_two_replicas_switch_together_or_not_at_all(server: Server, second: Serv
 
     second.kill()
     _, errors = _sync(trainer, rollout, _weights(old), 32)
-    assert len(errors) == 1 and isinstance(errors[0], hotweights.HotWeightsError), errors
+    assert len(errors) == 1 and isinstance(errors[0], hotweights.HotWeightsTimeoutError), errors
+    assert "cannot reach the server" in str(errors[0]), errors
     assert _served(server) == fresh[new][1] and a.get_weight_version() == "31"
     trainer.checkpoint_engine.close()
     assert not our_shm()
