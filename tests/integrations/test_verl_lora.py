@@ -273,12 +273,15 @@ def test_verls_own_call_path_for_a_lora_run(engine: Any, fresh: Fresh) -> None:
         peft_merge=False,
         base_sync_done=False,  # the rollout started on dummy weights: the first step sends the base too
     )
+    before = _version(engine) or 0
     asyncio.run(ActorRolloutRefWorker.update_weights(worker, global_steps=1, mode="naive"))
     assert worker.base_sync_done and rollout.server_handle.calls == ["update_weights_from_ipc"] * 2
+    assert _version(engine) == before + 1  # the base and the adapter of verl's first step: one version
     assert scored(engine, verls_request()) == fresh.served[0] and scored(engine) == fresh.plain
     sent["adapter"] = fresh.adapters[1]
     asyncio.run(ActorRolloutRefWorker.update_weights(worker, global_steps=2, mode="naive"))
     assert rollout.server_handle.calls == ["update_weights_from_ipc"] * 3 and rollout.server_handle.global_steps == 2
+    assert _version(engine) == before + 2
     assert scored(engine, verls_request()) == fresh.served[1] and scored(engine) == fresh.plain
     bad = dict(fresh.adapters[0])
     name = "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight"

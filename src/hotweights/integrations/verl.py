@@ -5,12 +5,13 @@ bytes in shared memory or a CUDA IPC buffer, one acknowledgement per bucket); it
 straight into the live model. With ``actor_rollout_ref.rollout.engine_kwargs.vllm.worker_extension_cls=`` this
 module's ``VerlWorkerExtension``, the same RPC (``update_weights_from_ipc``) stages each bucket into hotweights'
 install session instead: checked against what the engine serves before anything is written, cast to the engine's
-dtype, committed atomically on the last bucket and versioned by ``global_steps`` when passed (else one more than
-the last). Every message is answered, so the sender returns; a refused or failed update then raises in the RPC with
-hotweights' typed error (:func:`hotweights.core.envelope.decode`), the previous weights serving. A sender silent for
-:data:`TIMEOUT_ENV` seconds ends the update the same way. An update of no tensors installs nothing (verl's rollout
-side of the ``hotweights`` checkpoint engine sends one: :mod:`hotweights.integrations.verl_checkpoint`). verl's
-messages are read with an unpickler that admits only the torch types its protocol carries.
+dtype, committed atomically on the last bucket and versioned by ``global_steps`` when passed (else one more than the
+last; the adapter that follows a LoRA run's first base sync takes its version). Every message is answered, so the
+sender returns; a refused or failed update then raises in the RPC with hotweights' typed error
+(:func:`hotweights.core.envelope.decode`), the previous weights serving. A sender silent for :data:`TIMEOUT_ENV`
+seconds ends the update the same way. An update of no tensors installs nothing (verl's rollout side of the
+``hotweights`` checkpoint engine sends one: :mod:`hotweights.integrations.verl_checkpoint`). verl's messages are
+read with an unpickler that admits only the torch types its protocol carries.
 
 ``VerlWorkerExtension`` subclasses verl's own extension (``monkey_patch_model`` and the rest stay verl's) and
 hotweights' :data:`hotweights.WORKER_EXTENSION`; it is built when first looked up, so importing this module never
@@ -255,6 +256,10 @@ class VerlReceiver(HotWeightsWorkerExtension):
                 "sends the merged weights)"
             )
         version = int(attach.get(worker, "verl_version", 0)) + 1
+        lora_base = attach.get(worker, "verl_lora_base")
+        attach.put(worker, "verl_lora_base", None)  # it counts for the next sync only
+        if peft_config and base_sync_done and lora_base == version - 1:
+            version -= 1  # the adapter right after its step's base: verl's first LoRA step is one version
         timeout, expected = DEFAULT_TIMEOUT_S, None
         try:  # nothing may stop the answers below: a problem found here is the update's refusal
             if global_steps is not None:
@@ -343,6 +348,7 @@ class VerlReceiver(HotWeightsWorkerExtension):
         if not result:  # nothing sent, nothing installed: the version stays
             return {"tensors": 0, "bytes": 0, "weight_version": attach.get(worker, "verl_version", 0)}
         attach.put(worker, "verl_version", version)
+        attach.put(worker, "verl_lora_base", version if peft_config and not base_sync_done else None)
         return {**result, "weight_version": version}
 
     def hotweights_verl_version(self) -> int | None:
