@@ -6,7 +6,7 @@ anything is written."""
 from __future__ import annotations
 
 from hotweights.adapters.call import Items
-from hotweights.adapters.protocols import InstallingAdapter
+from hotweights.adapters.protocols import CheckedAdapter
 from hotweights.core.cast import Cast, CastItems, cast_targets, item_names
 from hotweights.core.delta import EncodedDelta, StagedDelta
 from hotweights.core.errors import (
@@ -23,7 +23,7 @@ __all__ = ["cast", "encode_delta", "validate"]
 
 
 def validate(
-    adapter: InstallingAdapter, manifest: WeightUpdateManifest, items: Items, force: bool
+    adapter: CheckedAdapter, manifest: WeightUpdateManifest, items: Items, force: bool
 ) -> tuple[Items, list[tuple[str, str]]]:
     """``items`` checked against ``manifest`` and ``manifest`` against the engine, all before any write: what to
     send (tensors the engine ignores left out) and what was skipped, with why."""
@@ -63,7 +63,7 @@ def validate(
 
 
 def cast(
-    adapter: InstallingAdapter, manifest: WeightUpdateManifest, items: Items, to: Cast
+    adapter: CheckedAdapter, manifest: WeightUpdateManifest, items: Items, to: Cast
 ) -> tuple[WeightUpdateManifest, CastItems]:
     """Check ``items`` against the caller's ``manifest``, then both as the engine will receive them (cast lazily,
     see :mod:`hotweights.core.cast`)."""
@@ -80,7 +80,7 @@ def cast(
 
 
 def encode_delta(
-    adapter: InstallingAdapter, manifest: WeightUpdateManifest, send: Items, timer: PhaseTimer
+    adapter: CheckedAdapter, manifest: WeightUpdateManifest, send: Items, timer: PhaseTimer
 ) -> tuple[EncodedDelta, StagedDelta]:
     """The delta from the host copy to ``send``, and the same delta staged on the copy (nothing written yet)."""
     state = adapter._delta

@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import NoReturn
 
 from hotweights.adapters.call import InstallCall
-from hotweights.adapters.protocols import InstallingAdapter
+from hotweights.adapters.protocols import RecoveringAdapter
 from hotweights.core.errors import HotWeightsError, InstallError
 from hotweights.core.manifest import WeightUpdateManifest
 from hotweights.telemetry import best_effort
@@ -16,7 +16,7 @@ __all__ = ["described", "raise_failure", "refuse_serving", "serving"]
 
 
 def raise_failure(
-    adapter: InstallingAdapter, exc: BaseException, manifest: WeightUpdateManifest, timer: InstallCall
+    adapter: RecoveringAdapter, exc: BaseException, manifest: WeightUpdateManifest, timer: InstallCall
 ) -> NoReturn:
     """Raise for ``exc``, which ended the install's write: after recovering the engine where it may have been
     written (the next delta install then sends everything), failing closed until a full install."""
@@ -48,7 +48,7 @@ def raise_failure(
     ) from exc
 
 
-def refuse_serving(adapter: InstallingAdapter, manifest: WeightUpdateManifest, reason: str | None = None) -> bool:
+def refuse_serving(adapter: RecoveringAdapter, manifest: WeightUpdateManifest, reason: str | None = None) -> bool:
     """Fail closed after a partial write: generation through the gate raises until a full install succeeds."""
     if adapter.gate is None:
         return False
@@ -62,7 +62,7 @@ def refuse_serving(adapter: InstallingAdapter, manifest: WeightUpdateManifest, r
     return True
 
 
-def serving(adapter: InstallingAdapter) -> str:
+def serving(adapter: RecoveringAdapter) -> str:
     """What the engine serves, in an error message."""
     v = adapter.active_weight_version
     return "the engine's initial weights" if v is None else f"v{v}"

@@ -8,7 +8,7 @@ import logging
 import time
 
 from hotweights.adapters.failure import refuse_serving, serving
-from hotweights.adapters.protocols import InstallingAdapter
+from hotweights.adapters.protocols import ProbedAdapter
 from hotweights.core.errors import FamilyProbeError
 from hotweights.core.families import FamilyCheck
 from hotweights.core.manifest import WeightUpdateManifest
@@ -22,7 +22,7 @@ logger = logging.getLogger("hotweights")
 
 
 def check_family(
-    adapter: InstallingAdapter,
+    adapter: ProbedAdapter,
     manifest: WeightUpdateManifest,
     family: FamilyCheck | None,
     ref: ProbeReference | None,
