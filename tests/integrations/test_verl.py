@@ -18,7 +18,6 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -313,28 +312,14 @@ def test_verls_own_call_path_into_the_extension(engine: Any, fresh: Any) -> None
         from verl.workers.engine_workers import ActorRolloutRefWorker
     except ImportError as exc:  # its trainer worker imports `datasets` (make test-verl installs it)
         pytest.skip(f"verl's trainer worker cannot be imported here ({exc})")
-    from omegaconf import OmegaConf
-
-    from .verl_helpers import for_llm, server_adapter, verl_worker_env
+    from .verl_helpers import for_llm, server_adapter, trainer_worker, verl_worker_env
 
     verl_worker_env()
     adapter = server_adapter(for_llm(engine))
     served, version = greedy_vllm(engine), _version(engine)
     seed = next(s for s in (1, 2, 3) if fresh[s][1] != served)
     sent: dict[str, torch.Tensor] = {}
-    actor = SimpleNamespace(
-        engine=SimpleNamespace(
-            get_per_tensor_param=lambda **_: (iter(sent.items()), None), is_param_offload_enabled=False
-        )
-    )
-    worker = SimpleNamespace(
-        config=OmegaConf.create({"rollout": {"name": "vllm", "free_cache_engine": False}}),
-        rollout=adapter,
-        actor=actor,
-        layered_summon=False,
-        peft_merge=False,
-        base_sync_done=True,
-    )
+    worker = trainer_worker(adapter, lambda **_: (iter(sent.items()), None), base_sync_done=True)
     sent.update(_weights(seed))
     asyncio.run(ActorRolloutRefWorker.update_weights(worker, global_steps=42, mode="naive"))
     assert greedy_vllm(engine) == fresh[seed][1]

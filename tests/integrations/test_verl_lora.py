@@ -244,15 +244,13 @@ def test_verls_own_call_path_for_a_lora_run(engine: Any, fresh: Fresh) -> None:
     equal to a fresh engine with that adapter; a NaN adapter raises the typed error out of verl's ``update_weights``,
     the previous adapter serving."""
     import asyncio
-    from types import SimpleNamespace
 
     try:
         from verl.workers.engine_workers import ActorRolloutRefWorker
     except ImportError as exc:  # its trainer worker imports `datasets` (make test-verl installs it)
         pytest.skip(f"verl's trainer worker cannot be imported here ({exc})")
-    from omegaconf import OmegaConf
 
-    from .verl_helpers import for_llm, server_adapter, verl_worker_env
+    from .verl_helpers import for_llm, server_adapter, trainer_worker, verl_worker_env
 
     verl_worker_env()
     rollout = server_adapter(for_llm(engine))
@@ -262,17 +260,8 @@ def test_verls_own_call_path_for_a_lora_run(engine: Any, fresh: Fresh) -> None:
         """The FSDP actor's answer in a LoRA run (fsdp/transformer_impl.py:977): the adapter, or the base."""
         return iter((sent["adapter"] if base_sync_done else peft_base(1)).items()), dict(PEFT_CONFIG)
 
-    actor = SimpleNamespace(
-        engine=SimpleNamespace(get_per_tensor_param=per_tensor_param, is_param_offload_enabled=False)
-    )
-    worker = SimpleNamespace(
-        config=OmegaConf.create({"rollout": {"name": "vllm", "free_cache_engine": False}}),
-        rollout=rollout,
-        actor=actor,
-        layered_summon=False,
-        peft_merge=False,
-        base_sync_done=False,  # the rollout started on dummy weights: the first step sends the base too
-    )
+    # the rollout started on dummy weights: the first step sends the base too
+    worker = trainer_worker(rollout, per_tensor_param, base_sync_done=False)
     before = _version(engine) or 0
     asyncio.run(ActorRolloutRefWorker.update_weights(worker, global_steps=1, mode="naive"))
     assert worker.base_sync_done and rollout.server_handle.calls == ["update_weights_from_ipc"] * 2

@@ -194,6 +194,24 @@ def server_adapter(actor: ServerActor, bucket_mb: int = 1, **config: Any) -> Any
     return adapter
 
 
+def trainer_worker(rollout: Any, per_tensor_param: Any, *, base_sync_done: bool) -> Any:
+    """A stand-in for verl's trainer worker (Ray builds the real one with an FSDP engine), as much of it as
+    ``ActorRolloutRefWorker.update_weights`` reads: its rollout (verl's ``ServerAdapter``) and its actor's
+    ``get_per_tensor_param`` (``(weights, peft_config)``), colocated (mode ``naive``), without layered summon."""
+    from omegaconf import OmegaConf
+
+    return SimpleNamespace(
+        config=OmegaConf.create({"rollout": {"name": "vllm", "free_cache_engine": False}}),
+        rollout=rollout,
+        actor=SimpleNamespace(
+            engine=SimpleNamespace(get_per_tensor_param=per_tensor_param, is_param_offload_enabled=False)
+        ),
+        layered_summon=False,
+        peft_merge=False,
+        base_sync_done=base_sync_done,
+    )
+
+
 def zmq_handle(rank: int = 0) -> str:
     """The handle verl's ``ServerAdapter`` and its worker extension both derive (job id, replica 0, ``rank``): the
     job id is ``VERL_RAY_JOB_ID``, which a test sets once for its engine and its senders."""
