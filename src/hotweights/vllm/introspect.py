@@ -137,7 +137,11 @@ def engine_model_config(llm: Any) -> Any:
 
 def max_lora_rank(llm: Any) -> int | None:
     """The engine's ``max_lora_rank``; None when it was started without ``enable_lora=True``."""
-    config = getattr(getattr(llm_engine(llm), "vllm_config", None), "lora_config", None)
+    return _max_lora_rank(getattr(llm_engine(llm), "vllm_config", None))
+
+
+def _max_lora_rank(vllm_config: Any) -> int | None:
+    config = getattr(vllm_config, "lora_config", None)
     return int(config.max_lora_rank) if config is not None else None
 
 
@@ -151,8 +155,7 @@ def lora_request(name: str, lora_id: int, path: str, *, replace: bool = False) -
 
 def worker_lora_rank(worker: Any) -> int | None:
     """The largest rank a vLLM worker's engine takes; None where it was started without LoRA (``enable_lora``)."""
-    config = getattr(getattr(worker, "vllm_config", None), "lora_config", None)
-    return int(config.max_lora_rank) if config is not None else None
+    return _max_lora_rank(getattr(worker, "vllm_config", None))
 
 
 def worker_lora_modules(worker: Any) -> set[str] | None:
