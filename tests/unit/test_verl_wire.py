@@ -75,7 +75,7 @@ def test_without_verl_the_extension_says_what_to_install() -> None:
 
 
 def test_peft_names_of_base_weights_map_to_the_checkpoints() -> None:
-    from hotweights.integrations.verl_update import base_name
+    from hotweights.core.lora import base_name
 
     assert base_name("model.layers.0.self_attn.q_proj.base_layer.weight") == "model.layers.0.self_attn.q_proj.weight"
     assert (

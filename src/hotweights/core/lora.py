@@ -19,11 +19,17 @@ import torch
 from hotweights.core.errors import Mismatch
 from hotweights.core.manifest import ExpectedWeights, TensorsLike, _as_items
 
-__all__ = ["adapter_config", "lora_items", "lora_mismatches", "lora_rank"]
+__all__ = ["adapter_config", "base_name", "lora_items", "lora_mismatches", "lora_rank"]
 
 #: ``[base_model.model.]<module>.lora_A|lora_B[.<adapter name>].weight``
 _KEY = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.lora_(?P<ab>[AB])(?:\.[A-Za-z0-9_-]+)?\.weight$")
 _PREFIX = "base_model.model."
+
+
+def base_name(name: str) -> str:
+    """The checkpoint's name of a base weight under a PEFT model's name: ``base_model.model.`` dropped from the
+    front, ``.base_layer`` from before the weight."""
+    return name.removeprefix(_PREFIX).replace(".base_layer.", ".")
 
 
 def lora_items(tensors: TensorsLike) -> tuple[dict[str, torch.Tensor], list[Mismatch]]:

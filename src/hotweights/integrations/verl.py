@@ -43,8 +43,9 @@ from hotweights.core.errors import (
     HotWeightsTimeoutError,
     InstallError,
 )
+from hotweights.core.lora import base_name
 from hotweights.core.manifest import ExpectedWeights
-from hotweights.integrations.verl_update import TRANSPORT, AdapterUpdate, Update, base_name
+from hotweights.integrations.verl_update import TRANSPORT, AdapterUpdate, Update
 from hotweights.transports import BucketReceiver, Descriptor, Opened, available_transports, register_transport
 from hotweights.vllm import introspect
 from hotweights.vllm.worker.extension import HotWeightsWorkerExtension
@@ -242,13 +243,15 @@ class VerlReceiver(HotWeightsWorkerExtension):
         import zmq
 
         worker: Any = self
+        adapter_sync = bool(peft_config) and base_sync_done  # the adapter alone
+        peft_base = bool(peft_config) and not base_sync_done  # the base under a PEFT model's names
         refusal: BaseException | None = None
         if unknown:
             refusal = EngineNotSupportedError(
                 f"update_weights_from_ipc got {sorted(unknown)}, which hotweights' verl extension does not know: "
                 "use the verl version it was tested with (0.9) or remove those arguments"
             )
-        elif peft_config and base_sync_done and introspect.worker_lora_rank(worker) is None:
+        elif adapter_sync and introspect.worker_lora_rank(worker) is None:
             refusal = EngineNotSupportedError(
                 "verl sent a LoRA adapter, but the engine was started without LoRA: start it with enable_lora=True "
                 "and max_lora_rank at least the adapter's rank (verl's rollout does when "
@@ -258,7 +261,7 @@ class VerlReceiver(HotWeightsWorkerExtension):
         version = int(attach.get(worker, "verl_version", 0)) + 1
         lora_base = attach.get(worker, "verl_lora_base")
         attach.put(worker, "verl_lora_base", None)  # it counts for the next sync only
-        if peft_config and base_sync_done and lora_base == version - 1:
+        if adapter_sync and lora_base == version - 1:
             version -= 1  # the adapter right after its step's base: verl's first LoRA step is one version
         timeout, expected = DEFAULT_TIMEOUT_S, None
         try:  # nothing may stop the answers below: a problem found here is the update's refusal
@@ -274,8 +277,8 @@ class VerlReceiver(HotWeightsWorkerExtension):
         socket.setsockopt(zmq.RECONNECT_IVL, RECONNECT_MS)
         socket.connect(self._get_zmq_handle())  # type: ignore[attr-defined]
         update: Update | AdapterUpdate
-        if peft_config and base_sync_done:  # the adapter alone
-            update = AdapterUpdate(worker, version, expected, dict(peft_config))
+        if adapter_sync:
+            update = AdapterUpdate(worker, version, expected, dict(peft_config or {}))
         else:
             update = Update(worker, version, expected, _engine_dtype(worker))
         device = getattr(worker, "device", None)
@@ -309,7 +312,7 @@ class VerlReceiver(HotWeightsWorkerExtension):
                     is_last = isinstance(message, dict) and bool(message.get("is_last"))
                     if refusal is None:
                         inside, apart = _entries(message)
-                        if peft_config and not base_sync_done:  # the base under a PEFT model's names
+                        if peft_base:
                             inside = [(base_name(n), s, d, o) for n, s, d, o in inside]
                             apart = [(base_name(n), h) for n, h in apart]
                         assert buffer is not None
@@ -348,7 +351,7 @@ class VerlReceiver(HotWeightsWorkerExtension):
         if not result:  # nothing sent, nothing installed: the version stays
             return {"tensors": 0, "bytes": 0, "weight_version": attach.get(worker, "verl_version", 0)}
         attach.put(worker, "verl_version", version)
-        attach.put(worker, "verl_lora_base", version if peft_config and not base_sync_done else None)
+        attach.put(worker, "verl_lora_base", version if peft_base else None)
         return {**result, "weight_version": version}
 
     def hotweights_verl_version(self) -> int | None:

@@ -5,12 +5,13 @@ swaps storage), else packed into a hotweights bucket or, for verl's last bucket,
 atomically once every tensor arrived.
 
 verl's LoRA syncs (``lora.merge=False``): the first (``peft_config`` set, ``base_sync_done=False``) is the base
-model under a PEFT model's names, which :func:`base_name` gives back as the checkpoint names them (then it installs
-as any sync). Each later one (``base_sync_done=True``) is the adapter alone: :class:`AdapterUpdate` copies each of
-its tensors out of verl's buffer as it arrives and, at the last bucket, installs them with
-:func:`hotweights._lora.install_lora_in_worker` (every check before anything is written; vLLM loads the new adapter
-before it drops the old one) under the id and name verl's rollout puts in its requests (:func:`verl_adapter`). verl's
-own receiver removes its adapter before the new one arrives; here a refused adapter leaves the previous one serving.
+model under a PEFT model's names, which :func:`hotweights.core.lora.base_name` gives back as the checkpoint names
+them (then it installs as any sync). Each later one (``base_sync_done=True``) is the adapter alone:
+:class:`AdapterUpdate` copies each of its tensors out of verl's buffer as it arrives and, at the last bucket,
+installs them with :func:`hotweights._lora.install_lora_in_worker` (every check before anything is written; vLLM
+loads the new adapter before it drops the old one) under the id and name verl's rollout puts in its requests
+(:func:`verl_adapter`). verl's own receiver removes its adapter before the new one arrives; here a refused adapter
+leaves the previous one serving.
 """
 
 from __future__ import annotations
@@ -34,7 +35,6 @@ __all__ = [
     "TRANSPORT",
     "AdapterUpdate",
     "Update",
-    "base_name",
     "borrowed",
     "descriptor",
     "pack",
@@ -308,17 +308,6 @@ def descriptor(packed: torch.Tensor) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------------------------ LoRA syncs
-_PEFT_PREFIX = "base_model.model."
-
-
-def base_name(name: str) -> str:
-    """The checkpoint's name of a base weight verl sends under a PEFT model's name: ``base_model.model.`` dropped
-    from the front, ``.base_layer`` from before the weight."""
-    if name.startswith(_PEFT_PREFIX):
-        name = name[len(_PEFT_PREFIX) :]
-    return name.replace(".base_layer.", ".")
-
-
 def verl_adapter() -> tuple[int, str]:
     """The id and name of the adapter verl's rollout asks for in its requests (``vllm_async_server.py``)."""
     from verl.workers.rollout.vllm_rollout.utils import VLLM_LORA_INT_ID, VLLM_LORA_NAME
