@@ -144,7 +144,9 @@ class Run:
         assert self.fresh["A"] != self.fresh["B"], "A and B give the same tokens: the run would prove nothing"
         self._shared: Any = None
         self._async: tuple[EventLoopThread, Any] | None = None
-        self.serving_before: dict[int, str] = {}
+        # what each shared engine ("multiprocess", "async") served when its last schedule ended; a fresh engine
+        # serves A. Keyed by kind, not id(): a stopped engine's id is reused by the next one started.
+        self.serving_before: dict[str, str] = {}
 
     def shared(self) -> Any:
         if self._shared is None:
@@ -338,7 +340,7 @@ def schedule_llms(run: Run, rng: random.Random, outcome: Outcome) -> None:
     stop = threading.Event()
     threads, one_call = generating(run, outcome, rng, llms, stop)
     fleet = hotweights.Fleet(llms) if kind == "fleet" else None
-    serving = run.serving_before.get(id(llms[0]), "A")
+    serving = run.serving_before.get(kind, "A")
     actions = ACTIONS + (("sender-killed",) if kind == "multiprocess" else ())
     for _ in range(rng.randint(3, 6)):
         action = rng.choice(actions)
@@ -378,8 +380,9 @@ def schedule_llms(run: Run, rng: random.Random, outcome: Outcome) -> None:
         served_now = run.serving(llm)
         if served_now != serving:
             outcome.fail(f"after the schedule the engine serves {served_now}, its last install was {serving}")
-        run.serving_before[id(llm)] = served_now
-    if kind != "multiprocess":
+    if kind == "multiprocess":
+        run.serving_before[kind] = served_now
+    else:
         for llm in llms:
             stop_engine(llm)
 
@@ -433,7 +436,7 @@ def schedule_async(run: Run, rng: random.Random, outcome: Outcome) -> None:
         return version_of(ask(engine.get_weight_version(), "get_weight_version")[1])
 
     version = last = recorded()
-    serving = run.serving_before.get(id(engine), "A")
+    serving = run.serving_before.get("async", "A")
     streams = []
     for _ in range(rng.randint(1, 3)):
         prompts = sorted(rng.sample(range(len(PROMPTS)), rng.randint(1, len(PROMPTS))))
@@ -486,7 +489,7 @@ def schedule_async(run: Run, rng: random.Random, outcome: Outcome) -> None:
     served = run.which([list(o.token_ids) for o in outs], list(range(len(PROMPTS)))) if ok else "unknown"
     if served != serving:
         outcome.fail(f"after the schedule the engine serves {served}, its last install was {serving}")
-    run.serving_before[id(engine)] = served
+    run.serving_before["async"] = served
 
 
 def schedule_killed(run: Run, rng: random.Random, outcome: Outcome) -> None:
@@ -697,7 +700,10 @@ def main(argv: list[str] | None = None) -> int:
         f"{len(seeds)} schedules in {time.perf_counter() - start:.0f} s: {len(failed)} failed; "
         f"kill-to-return max {kill}; /dev/shm left: {left}"
     )
-    for outcome in failed:
+    for outcome in failed:  # again at the end, where a CI log's tail shows it
+        print(f"seed {outcome.seed} ({outcome.kind}; {' '.join(outcome.actions)}) failed:")
+        for f in outcome.failures[:5]:
+            print(f"  - {f}")
         print(f"replay: .venv/bin/python benchmarks/chaos.py --replay {outcome.seed}")
     return 1 if failed or left else 0
 
