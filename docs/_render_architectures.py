@@ -18,6 +18,7 @@ PATHS = [
     "extension aside atomic",
     "extension delta",
     "verify reads back",
+    "bf16 engine, fp32 cast",
 ]
 
 
@@ -29,10 +30,13 @@ TRANSFORMERS_BACKEND_IN_PROCESS = (
 
 
 def not_run(variant: str, path: str) -> str:
-    from hotweights.testing import TRANSFORMERS_BACKEND
+    from hotweights.testing import MOE_ARCHS, TRANSFORMERS_BACKEND
 
-    if path == "in-process" and variant.rsplit("-", 2)[0] in TRANSFORMERS_BACKEND:
+    arch = variant.rsplit("-", 2)[0]
+    if path == "in-process" and arch in TRANSFORMERS_BACKEND:
         return TRANSFORMERS_BACKEND_IN_PROCESS
+    if path == "bf16 engine, fp32 cast" and arch not in MOE_ARCHS:
+        return "—"
     return "not run"
 
 

@@ -36,6 +36,7 @@ from hotweights.testing import (
     DTYPES,
     MOE_ARCHS,
     TRANSFORMERS_BACKEND,
+    build_tiny_model,
 )
 
 from .conftest import Checkpoints, TinyCheckpoint, Variant, greedy_vllm, our_shm, start_engine, stop_engine
@@ -224,3 +225,36 @@ def test_extension_every_method(
         assert (report.readback_verified or 0) >= len(per_expert), (report.readback_verified, len(per_expert))
         assert per_expert or variant.arch in FUSED_EXPERTS, f"{variant.id}: no per-expert tensor in the checkpoint"
     _record(variant, "verify reads back", f"{report.readback_verified} of {report.num_tensors}")
+
+
+# ---------------------------------------------------------------------------------------------- bf16, fp32 cast
+@pytest.mark.matrix
+@pytest.mark.parametrize("variant", MOE, ids=lambda v: v.id)
+def test_moe_bf16_engine_from_fp32_master_weights(
+    variant: Variant, checkpoint: Checkpoints, multiprocess: Callable[..., Any]
+) -> None:
+    """Every MoE family in a bf16 engine, installed from the trainer's fp32 tensors with ``cast=torch.bfloat16``
+    (RL trainers keep fp32 master weights; rollouts run bf16): A -> B -> A, each equal to a freshly started bf16
+    engine on that checkpoint (vLLM casting the fp32 checkpoint, and the install casting bucket by bucket, round the
+    same way). In-process, or a plain multiprocess ``LLM`` for a family vLLM serves through its Transformers
+    backend."""
+    half = Variant(variant.arch, torch.bfloat16, tie=variant.tie)  # its checkpoint: the fp32 model cast
+    backend = variant.arch in TRANSFORMERS_BACKEND
+    b = checkpoint.expected(half, 2)
+    a, llm = checkpoint.served(
+        half,
+        1,
+        lambda path: multiprocess(path, "bfloat16") if backend else start_engine(path, "bfloat16", multiprocess=False),
+    )
+    try:
+        assert a.fresh != b.fresh, f"{half.id}: seeds 1 and 2 give the same tokens"
+        assert greedy_vllm(llm) == a.fresh
+        for version, ckpt in enumerate((b, a), start=1):
+            master = build_tiny_model(variant.arch, ckpt.seed, tie=variant.tie, dtype=torch.float32).state_dict()
+            report = hotweights.install(llm, master, weight_version=version, cast=torch.bfloat16, **_options(variant))
+            assert report.cast_tensors, report
+            assert greedy_vllm(llm) == ckpt.fresh, f"{half.id}: the install of seed {ckpt.seed} via {report.adapter}"
+        _record(variant, "bf16 engine, fp32 cast", f"exact ({report.adapter})")
+    finally:
+        if not backend:
+            stop_engine(llm)

@@ -62,6 +62,15 @@ def test_the_reference_is_the_models_own_log_probabilities_from_either_name_form
     assert in_memory.judge(want)[0]
 
 
+def test_a_tiny_model_is_a_function_of_its_seed() -> None:
+    """Two builds of one seed hold the same tensors, also those transformers' own init draws: Qwen3-Next's A_log
+    differed between builds, so a trainer's fp32 master built again was not the checkpoint it should have been
+    (its bf16 conformance check failed on the test, not on hotweights)."""
+    for arch in ARCHS:
+        one, two = build_tiny_model(arch, 2).state_dict(), build_tiny_model(arch, 2).state_dict()
+        assert [n for n in one if not torch.equal(one[n], two[n])] == [], arch
+
+
 def test_the_judge_refuses_a_stale_layer_and_missing_answers() -> None:
     a, b = build_tiny_model("qwen2", 1), build_tiny_model("qwen2", 2)
     ref = reference(b.config, b.state_dict(), torch.float32)

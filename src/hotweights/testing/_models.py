@@ -344,7 +344,9 @@ def build_tiny_model(
     cfg = tiny_config(arch, tie=tie, **config)
     scale = (0.3 * _STD_SCALE.get(arch, 1.0)) if std is None else std
     gen = torch.Generator().manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)  # type: ignore[no-untyped-call]
+    with torch.random.fork_rng(devices=[]):  # what transformers' own init draws (Qwen3-Next's A_log) is seeded too
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)  # type: ignore[no-untyped-call]
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.dim() >= 2:
