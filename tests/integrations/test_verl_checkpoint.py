@@ -205,6 +205,8 @@ def test_the_contract_without_an_engine() -> None:
         asyncio.run(master.send_weights(weights(), global_steps=1))
     with pytest.raises(ValueError, match="transport"):
         cls(bucket_size=0, transport="nccl")
+    with pytest.raises(ValueError, match="stage_timeout"):
+        cls(bucket_size=0, stage_timeout=0)
 
 
 def test_servers_found_as_verl_names_them() -> None:
@@ -278,7 +280,9 @@ def test_collective_transport_refusal_then_step(server: Server, rollout: Any, fr
     trainer.checkpoint_engine.close()
 
 
-def test_two_replicas_switch_together_or_not_at_all(server: Server, second: Server, rollout: Any, fresh: Any) -> None:
+def test_two_replicas_switch_together_or_not_at_all(
+    server: Server, second: Server, rollout: Any, fresh: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A sync that one replica of two refuses (it serves a newer version than the trainer's step: another trainer
     installed it) raises the typed error in verl's trainer, and both replicas keep their version, token for token;
     the next sync moves both. Then one replica's server dies: a sync raises, and the other keeps its version."""
@@ -287,8 +291,12 @@ def test_two_replicas_switch_together_or_not_at_all(server: Server, second: Serv
     a, b = VerlServer(server.url), VerlServer(second.url)
     for handle, version in ((a, 20), (b, 30)):  # both on the old policy; the second replica ahead of the trainer
         hotweights.install(handle, _weights(old), weight_version=version, cast="engine", force=True)
-    trainer = _trainer(_config(urls=[server.url, second.url]))
+    timeouts: list[float | None] = []  # engine_kwargs' stage_timeout is the fleet's
+    fleet = hotweights.Fleet
+    monkeypatch.setattr(hotweights, "Fleet", lambda *a, **k: timeouts.append(k.get("timeout")) or fleet(*a, **k))
+    trainer = _trainer(_config(urls=[server.url, second.url], stage_timeout=120))
     _, errors = _sync(trainer, rollout, _weights(new), 25)
+    assert timeouts == [120.0], timeouts
     assert len(errors) == 1 and isinstance(errors[0], hotweights.StaleWeightVersionError), errors
     assert "replica 1" in " ".join(getattr(errors[0], "__notes__", [])), "the error names the replica"
     assert [_served(s) for s in (server, second)] == [fresh[old][1]] * 2, "a replica moved without the other"

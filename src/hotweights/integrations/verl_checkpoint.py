@@ -27,6 +27,7 @@ the engine's ``urls``, or found as verl names its servers (``docs/verl.md``).
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import AsyncIterator, Iterable
 from typing import Any
@@ -86,6 +87,8 @@ class HotWeightsCheckpointEngine(CheckpointEngine):  # type: ignore[misc]
             them already when it syncs).
         timeout: seconds for a server's short requests (and the collective transport's waits).
         force: install a ``global_steps`` not newer than the version served (a trainer resumed from an older step).
+        stage_timeout: seconds, with two or more replicas, for every replica to check and receive a sync before any
+            writes it; past it every replica aborts and keeps its version (:class:`hotweights.Fleet`'s ``timeout``).
     """
 
     def __init__(
@@ -102,17 +105,20 @@ class HotWeightsCheckpointEngine(CheckpointEngine):  # type: ignore[misc]
         pause: PauseMode = "wait",
         timeout: float = 60.0,
         force: bool = False,
+        stage_timeout: float = 600.0,
     ) -> None:
         if transport is not None and transport not in TRANSPORTS:
             raise ValueError(f"transport is 'shm' or 'collective' (or unset: hotweights picks), not {transport!r}")
         if pause not in PAUSE_MODES:
             raise ValueError(f"pause is one of {PAUSE_MODES}, not {pause!r}")
+        if not (stage_timeout > 0 and math.isfinite(stage_timeout)):
+            raise ValueError(f"stage_timeout is a number of seconds above 0, not {stage_timeout!r}")
         self.bucket_size = bucket_size
         self.is_master = is_master
         self.urls = [urls] if isinstance(urls, str) else list(urls) if urls is not None else None
         self.token, self.transport, self.host, self.backend, self.device = token, transport, host, backend, device
         self.bucket_bytes = None if bucket_mb is None else int(bucket_mb) << 20
-        self.pause, self.timeout, self.force = pause, timeout, force
+        self.pause, self.timeout, self.force, self.stage_timeout = pause, timeout, force, float(stage_timeout)
         self.version = 0
         self._replicas: dict[str, tuple[VerlServer, Installer]] = {}
 
@@ -179,7 +185,9 @@ class HotWeightsCheckpointEngine(CheckpointEngine):  # type: ignore[misc]
             )
             sent = report.bytes_sent
         else:  # all or nothing: every replica stages, then every one commits; one refusal aborts them all
-            fleet = hotweights.Fleet([s for s, _ in replicas], adapters=[a for _, a in replicas])
+            fleet = hotweights.Fleet(
+                [s for s, _ in replicas], adapters=[a for _, a in replicas], timeout=self.stage_timeout
+            )
             done = await fleet.install_async(
                 items, weight_version=version, cast="engine", pause=self.pause, force=self.force
             )
