@@ -71,6 +71,22 @@ def test_a_tiny_model_is_a_function_of_its_seed() -> None:
         assert [n for n in one if not torch.equal(one[n], two[n])] == [], arch
 
 
+def test_a_window_vllm_cleared_is_full_attention_in_the_reference() -> None:
+    """vLLM sets ``sliding_window = None`` on the config it serves from where every layer gets full attention (a
+    checkpoint's 0: Qwen2-MoE's default); transformers' Qwen2-MoE then refused to build its masks, so no reference
+    could be computed and the default guard refused Qwen2-MoE wherever it is unproven (every GPU, vLLM 0.31, 0.33,
+    0.34). The reference now reads None as a window longer than the probe: the same scores, the config untouched."""
+    import copy
+
+    model = build_tiny_model("qwen2_moe", 1)
+    assert model.config.sliding_window == 0 and not model.config.use_sliding_window
+    served = copy.deepcopy(model.config)
+    served.sliding_window = None  # vllm/config/model.py: "Some checkpoints set sliding_window to 0 ..."
+    want = reference(model.config, model.state_dict(), torch.float32)
+    assert reference(served, model.state_dict(), torch.float32).logprobs == want.logprobs
+    assert served.sliding_window is None
+
+
 def test_the_judge_refuses_a_stale_layer_and_missing_answers() -> None:
     a, b = build_tiny_model("qwen2", 1), build_tiny_model("qwen2", 2)
     ref = reference(b.config, b.state_dict(), torch.float32)

@@ -17,6 +17,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
 import statistics
 from collections.abc import Callable, Iterator, Sequence
@@ -84,6 +85,7 @@ def reference(config: Any, tensors: Any, engine_dtype: torch.dtype) -> ProbeRefe
     Raises:
         ValueError: transformers has no model class for ``config``, or the tensors do not fill it (named).
     """
+    config = _as_served(config)
     vocab = int(getattr(config, "vocab_size", 0) or getattr(_text(config), "vocab_size", 0))
     ids = probe_tokens(vocab)
     held = _held_lazily(config, tensors) if isinstance(tensors, CastItems) and tensors.load is not None else None
@@ -111,6 +113,24 @@ def config_from_json(text: str) -> Any:
 
     data = json.loads(text)
     return transformers.AutoConfig.for_model(str(data.pop("model_type")), **data)
+
+
+def _as_served(config: Any) -> Any:
+    """``config`` as transformers runs it over the probe. vLLM clears ``sliding_window`` (None) where it serves every
+    layer with full attention (a checkpoint's ``0``, or ``disable_sliding_window``); some transformers classes
+    (Qwen2-MoE) build a sliding-window mask whatever their layers are, and refuse None. A window longer than the probe
+    is the same full attention over its tokens (a copy of ``config`` gets one; ``config`` is left as it is)."""
+    if not any(_cleared_window(c) for c in (config, _text(config))):
+        return config
+    config = copy.deepcopy(config)
+    for c in (config, _text(config)):
+        if _cleared_window(c):
+            c.sliding_window = PROBE_LENGTH + 1
+    return config
+
+
+def _cleared_window(config: Any) -> bool:
+    return "sliding_window" in getattr(config, "__dict__", {}) and config.sliding_window is None
 
 
 def _model(config: Any, state: dict[str, Any]) -> Any:
