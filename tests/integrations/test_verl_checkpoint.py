@@ -280,6 +280,27 @@ def test_collective_transport_refusal_then_step(server: Server, rollout: Any, fr
     trainer.checkpoint_engine.close()
 
 
+def test_two_replicas_over_the_collective_transport(server: Server, second: Server, rollout: Any, fresh: Any) -> None:
+    """Two replicas on other machines: the fleet reaches each through its own collective group (gloo here). A
+    wrong-shaped tensor is refused with both replicas as they were; the next step moves both, exactly."""
+    trainer = _trainer(_config(urls=[server.url, second.url], transport="collective", host="127.0.0.1"))
+    handles = [hotweights.connect(s.url) for s in (server, second)]
+    before = [_served(s) for s in (server, second)], [h.get_weight_version() for h in handles]
+    weights = _weights(2)
+    name = "model.layers.1.mlp.down_proj.weight"
+    weights[name] = weights[name][:, :-1].contiguous()
+    _, errors = _sync(trainer, rollout, weights, 12)
+    assert len(errors) == 1 and isinstance(errors[0], hotweights.WeightManifestValidationError), errors
+    assert ([_served(s) for s in (server, second)], [h.get_weight_version() for h in handles]) == before
+    target = next(seed for seed in fresh if fresh[seed][1] not in before[0])
+    metrics, errors = _sync(trainer, rollout, _weights(target), 13)
+    assert not errors and metrics["hotweights/replicas"] == 2 and metrics["hotweights/weight_version"] == 13, errors
+    assert [_served(s) for s in (server, second)] == [fresh[target][1]] * 2
+    assert [h.get_weight_version() for h in handles] == ["13", "13"]
+    assert {a.transport.name for a in trainer.checkpoint_engine.adapters().values()} == {"collective"}
+    trainer.checkpoint_engine.close()
+
+
 def test_two_replicas_switch_together_or_not_at_all(
     server: Server, second: Server, rollout: Any, fresh: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
