@@ -4,7 +4,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.hotweights-installed
 EXTRAS ?= cpu,dev,trl,docs,ray
 
-.PHONY: setup test test-slow test-matrix test-vllm031 soak chaos chaos-long contract demo bench lint clean
+.PHONY: setup test test-slow test-matrix test-matrix031 test-vllm031 soak chaos chaos-long contract demo bench lint clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -33,7 +33,7 @@ $(STAMP031): pyproject.toml Makefile
 ## extension (every transport, streaming, direct; not the sender-kill fault tests), zero-config (a plain multiprocess
 ## LLM), an in-process engine woken weights-first, AsyncLLM (with and without the extension), vLLM's weight-transfer
 ## API (hotweights' backend), a MoE family (Qwen3-MoE in-process and zero-config) and a tied one (Llama in-process),
-## the family guard (every family is unproven on 0.31: these installs are probed; AsyncLLM ones trusted), and the
+## the family guard (with PROVEN emptied, as off the matrix: first installs probed), and the
 ## version shims' unit tests, installs built aside. ~3.5 min on 2 cores
 VLLM031_TESTS := tests/engine/test_inprocess_reload.py tests/engine/test_multiprocess.py tests/engine/test_any_llm.py \
 	tests/engine/test_async_llm.py tests/engine/test_architectures.py tests/engine/test_family_guard.py \
@@ -58,6 +58,12 @@ test-matrix: $(STAMP)
 		tests/engine/test_architectures.py
 	$(PY) docs/_render_architectures.py
 	$(PY) -m pytest -p no:cacheprovider -m matrix tests/engine/test_async_llm.py tests/engine/test_hub_id.py
+
+## the conformance matrix on vLLM 0.31 (.venv031, ~35 min on 2 cores): its cells go to docs/architectures-0.31.json,
+## from which hotweights.core.families.PROVEN's ("0.31", "cpu") entry is read off (tests/unit/test_families.py)
+test-matrix031: $(STAMP031)
+	HOTWEIGHTS_MATRIX_OUT=docs/architectures-0.31.json $(PY031) -m pytest -p no:cacheprovider -m "matrix or not matrix" \
+		tests/engine/test_architectures.py
 
 ## long profile: the fuzz suite at 10,000 examples per property (~10 min on 2 cores), incl. its slow-marked check
 test-slow: $(STAMP)

@@ -36,7 +36,7 @@ FAULTS = {
 
 @pytest.fixture
 def unproven(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The family as one nobody has proven on this vLLM (as every family is on vLLM 0.31, 0.33, 0.34 and GPUs)."""
+    """The family as one nobody has proven on this vLLM (as every family is on vLLM 0.33, 0.34 and GPUs)."""
     monkeypatch.setattr(families, "PROVEN", {})
 
 

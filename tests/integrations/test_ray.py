@@ -105,7 +105,7 @@ def test_a_trainer_killed_between_stage_and_commit_leaves_every_replica_on_its_v
 def test_an_unproven_family_is_probed_in_an_engine_actor_and_a_planted_fault_fails_closed(
     cluster: dict[str, Any],
 ) -> None:
-    """No family proven (as on vLLM 0.31, 0.33, 0.34 and GPUs): the first install into an actor's engine is probed
+    """No family proven (as on vLLM 0.33, 0.34 and GPUs): the first install into an actor's engine is probed
     by default, scored by the actor inside the install's hold; a write that scales a norm by 1.01 fails closed."""
     hf, engines = cluster["hf"], cluster["engines"]
     version = max(int(v) for v in ray.get([e.version.remote() for e in engines])) + 1

