@@ -11,17 +11,19 @@ later installs in each setting and their ratio, and ``check_family``'s own time 
 that returns logprobs has (vLLM compiles its logprob ranking on the first such request, ~1.7 s here; a cold engine
 pays that inside the probe).
 
-``--first N``: what the guard adds to the install it guards: N rounds, each starting a fresh engine per setting
-(proven, then unproven) and timing its first install, the one an unproven family is probed on; reported: the medians
-of the first installs, the guard's share (unproven minus proven, against proven), and the unproven install's
-``validate`` (the reference built and scored) and ``family_probe`` (the engine scoring it) phases.
+``--first N`` (``--engine llm|async``): what the guard adds to the install it guards: N rounds, each starting a
+fresh engine per setting (an in-process ``LLM``, or an ``AsyncLLM`` with the worker extension installed into with
+``install_async``), proven then unproven, and timing its first install, the one an unproven family is probed on;
+reported: the medians of the first installs, the guard's share (unproven minus proven, against proven), the unproven
+install's ``validate`` (the reference built and scored) and ``family_probe`` (the engine scoring it) phases, and
+every phase's median in both settings.
 
 ``--reference``: the probe's reference alone, for the sent tensors' and the engine's dtypes (fp32 -> fp32, fp32 ->
 bf16, bf16 -> bf16), each in a process of its own: its time and its peak resident memory above what the process held
 before (sampled every 2 ms), against the model's size.
 
 Run: ``.venv/bin/python benchmarks/bench_guard.py [--rounds 20] [--size full|tiny] [--warm] [--first N]
-[--reference]``.
+[--engine llm|async] [--reference]``.
 """
 
 from __future__ import annotations
@@ -34,14 +36,24 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 
 import hotweights
 from hotweights import _family
 from hotweights.core import families
-from hotweights.testing import build_tiny_model, greedy_vllm, save_tiny_model, start_engine, stop_engine
+from hotweights.testing import (
+    EventLoopThread,
+    build_tiny_model,
+    greedy_vllm,
+    save_tiny_model,
+    start_async_engine,
+    start_engine,
+    stop_engine,
+)
 
 SIZES = {
     "full": {"hidden": 768, "layers": 12, "heads": 12, "kv_heads": 4, "intermediate": 3072, "vocab": 32000},
@@ -97,39 +109,81 @@ def reference_case(case: str, size: str) -> None:
     )
 
 
-def first_installs(rounds: int, size: str, warm: bool) -> None:
-    """The first install into fresh engines, proven and unproven in turn (see ``--first``)."""
-    from hotweights.vllm.scoring import score
-
+def first_installs(rounds: int, size: str, warm: bool, engine: str = "llm") -> None:
+    """The first install into fresh engines, proven and unproven in turn (see ``--first``): in-process ``vllm.LLM``
+    engines, or (``engine="async"``) ``AsyncLLM`` engines with hotweights' worker extension, installed into with
+    ``install_async`` from their event loop, as an asynchronous RL trainer does."""
     models = [build_tiny_model("qwen2", seed=s, **SIZES[size]) for s in (1, 2)]
     sent = dict(models[1].state_dict())
     proven = families.PROVEN
     seconds: dict[str, list[float]] = {"proven": [], "unproven": []}
     phases: dict[str, list[float]] = {"validate": [], "family_probe": []}
+    every: dict[tuple[str, str], list[float]] = {}
     with tempfile.TemporaryDirectory(prefix="hotweights-bench-guard-") as tmp:
         path = save_tiny_model(models[0], Path(tmp) / "a")
         for setting in ("proven", "unproven") * rounds:
-            llm = start_engine(path, max_model_len=64)
+            install, stop = (_async_engine if engine == "async" else _llm_engine)(path, warm)
             try:
-                if warm:
-                    score(llm, [2, 3, 4, 5])
                 families.PROVEN = {} if setting == "unproven" else proven
                 t0 = time.perf_counter()
-                report = hotweights.install(llm, sent, weight_version=1)
+                report = install(sent)
                 seconds[setting].append(time.perf_counter() - t0)
+                for phase, value in report.phases.items():
+                    every.setdefault((setting, phase), []).append(value)
                 if setting == "unproven":
                     assert "family_probe" in report.phases, report.phases
                     for phase in phases:
                         phases[phase].append(report.phases[phase])
             finally:
                 families.PROVEN = proven
-                stop_engine(llm)
+                stop()
     med = {k: statistics.median(v) * 1e3 for k, v in {**seconds, **phases}.items()}
     guard = med["unproven"] - med["proven"]
-    print(f"first install into a fresh {'warm' if warm else 'cold'} engine, medians of {rounds}: proven "
+    kind = "AsyncLLM (worker extension)" if engine == "async" else "in-process LLM"
+    print(f"first install into a fresh {'warm' if warm else 'cold'} {kind}, medians of {rounds}: proven "
           f"{med['proven']:.0f} ms, unproven {med['unproven']:.0f} ms: the guard adds {guard:.0f} ms "
           f"({guard / med['proven']:.2f}x the install); validate {med['validate']:.0f} ms (the reference), "
           f"family_probe {med['family_probe']:.0f} ms (the engine scoring it)")  # fmt: skip
+    names = sorted({phase for _, phase in every}, key=lambda p: -statistics.median(every.get(("unproven", p), [0])))
+    print("phases, medians (ms), proven / unproven: " + ", ".join(
+        f"{p} {statistics.median(every.get(('proven', p), [0])) * 1e3:.0f} / "
+        f"{statistics.median(every.get(('unproven', p), [0])) * 1e3:.0f}" for p in names
+    ))  # fmt: skip
+
+
+Install = Callable[[dict[str, Any]], Any]
+
+
+def _llm_engine(path: Path, warm: bool) -> tuple[Install, Callable[[], None]]:
+    """A fresh in-process ``LLM``: its install and its stop."""
+    from hotweights.vllm.scoring import score
+
+    llm = start_engine(path, max_model_len=64)
+    if warm:
+        score(llm, [2, 3, 4, 5])
+    return (lambda sd: hotweights.install(llm, sd, weight_version=1)), lambda: stop_engine(llm)
+
+
+def _async_engine(path: Path, warm: bool) -> tuple[Install, Callable[[], None]]:
+    """A fresh ``AsyncLLM`` with the worker extension on an event-loop thread: its install and its stop."""
+    from vllm import SamplingParams
+
+    loop = EventLoopThread()
+    engine = loop.call(start_async_engine, path, max_model_len=64, worker_extension_cls=hotweights.WORKER_EXTENSION)
+
+    async def logprobs() -> None:  # vLLM compiles its logprob gather on the first such request
+        sp = SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False)
+        async for _ in engine.generate({"prompt_token_ids": [2, 3, 4, 5]}, sp, request_id="bench-guard-warm"):
+            pass
+
+    if warm:
+        loop.run(logprobs())
+
+    def stop() -> None:
+        engine.shutdown()
+        loop.close()
+
+    return (lambda sd: loop.run(hotweights.install_async(engine, sd, weight_version=1))), stop
 
 
 def main() -> int:
@@ -139,10 +193,11 @@ def main() -> int:
     parser.add_argument("--warm", action="store_true", help="one prompt_logprobs request before the first install")
     parser.add_argument("--reference", action="store_true", help="the reference's time and memory, per dtype")
     parser.add_argument("--first", type=int, metavar="N", help="N first installs into fresh engines per setting")
+    parser.add_argument("--engine", choices=("llm", "async"), default="llm", help="--first's engines")
     parser.add_argument("--reference-case", choices=sorted(CASES), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.first:
-        first_installs(args.first, args.size, args.warm)
+        first_installs(args.first, args.size, args.warm, args.engine)
         return 0
     if args.reference_case:
         reference_case(args.reference_case, args.size)
