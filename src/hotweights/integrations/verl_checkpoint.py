@@ -111,14 +111,18 @@ class HotWeightsCheckpointEngine(CheckpointEngine):  # type: ignore[misc]
             raise ValueError(f"transport is 'shm' or 'collective' (or unset: hotweights picks), not {transport!r}")
         if pause not in PAUSE_MODES:
             raise ValueError(f"pause is one of {PAUSE_MODES}, not {pause!r}")
-        if not (stage_timeout > 0 and math.isfinite(stage_timeout)):
+        try:
+            seconds = float(stage_timeout)
+        except (TypeError, ValueError):
+            seconds = math.nan
+        if not (seconds > 0 and math.isfinite(seconds)):
             raise ValueError(f"stage_timeout is a number of seconds above 0, not {stage_timeout!r}")
         self.bucket_size = bucket_size
         self.is_master = is_master
         self.urls = [urls] if isinstance(urls, str) else list(urls) if urls is not None else None
         self.token, self.transport, self.host, self.backend, self.device = token, transport, host, backend, device
         self.bucket_bytes = None if bucket_mb is None else int(bucket_mb) << 20
-        self.pause, self.timeout, self.force, self.stage_timeout = pause, timeout, force, float(stage_timeout)
+        self.pause, self.timeout, self.force, self.stage_timeout = pause, timeout, force, seconds
         self.version = 0
         self._replicas: dict[str, tuple[VerlServer, Installer]] = {}
 
