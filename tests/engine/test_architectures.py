@@ -236,8 +236,8 @@ def test_moe_bf16_engine_from_fp32_master_weights(
     """Every MoE family in a bf16 engine, installed from the trainer's fp32 tensors with ``cast=torch.bfloat16``
     (RL trainers keep fp32 master weights; rollouts run bf16): A -> B -> A, each equal to a freshly started bf16
     engine on that checkpoint (vLLM casting the fp32 checkpoint, and the install casting bucket by bucket, round the
-    same way). In-process, or a plain multiprocess ``LLM`` for a family vLLM serves through its Transformers
-    backend."""
+    same way). In-process (a plain multiprocess ``LLM`` for a family vLLM serves through its Transformers backend),
+    then a multiprocess engine with the worker extension."""
     half = Variant(variant.arch, torch.bfloat16, tie=variant.tie)  # its checkpoint: the fp32 model cast
     backend = variant.arch in TRANSFORMERS_BACKEND
     b = checkpoint.expected(half, 2)
@@ -248,13 +248,24 @@ def test_moe_bf16_engine_from_fp32_master_weights(
     )
     try:
         assert a.fresh != b.fresh, f"{half.id}: seeds 1 and 2 give the same tokens"
-        assert greedy_vllm(llm) == a.fresh
-        for version, ckpt in enumerate((b, a), start=1):
-            master = build_tiny_model(variant.arch, ckpt.seed, tie=variant.tie, dtype=torch.float32).state_dict()
-            report = hotweights.install(llm, master, weight_version=version, cast=torch.bfloat16, **_options(variant))
-            assert report.cast_tensors, report
-            assert greedy_vllm(llm) == ckpt.fresh, f"{half.id}: the install of seed {ckpt.seed} via {report.adapter}"
-        _record(variant, "bf16 engine, fp32 cast", f"exact ({report.adapter})")
+        paths = [_cast_b_then_a(llm, variant, a, b)]
     finally:
         if not backend:
             stop_engine(llm)
+    extension = multiprocess(a.path, "bfloat16", worker_extension_cls=hotweights.WORKER_EXTENSION)
+    paths.append(_cast_b_then_a(extension, variant, a, b))
+    _record(variant, "bf16 engine, fp32 cast", f"exact ({', '.join(paths)})")
+
+
+def _cast_b_then_a(llm: Any, variant: Variant, a: TinyCheckpoint, b: TinyCheckpoint) -> str:
+    """Install the fp32 masters of B then A into a bf16 engine serving A, each checked against a fresh engine; the
+    path it went by."""
+    assert greedy_vllm(llm) == a.fresh
+    for version, ckpt in enumerate((b, a), start=1):
+        master = build_tiny_model(variant.arch, ckpt.seed, tie=variant.tie, dtype=torch.float32).state_dict()
+        report = hotweights.install(llm, master, weight_version=version, cast=torch.bfloat16, **_options(variant))
+        assert report.cast_tensors, report
+        assert greedy_vllm(llm) == ckpt.fresh, (
+            f"{ckpt.variant.id}: the install of seed {ckpt.seed} via {report.adapter}"
+        )
+    return str(report.adapter)
