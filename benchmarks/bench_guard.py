@@ -117,8 +117,7 @@ def first_installs(rounds: int, size: str, warm: bool, engine: str = "llm") -> N
     sent = dict(models[1].state_dict())
     proven = families.PROVEN
     seconds: dict[str, list[float]] = {"proven": [], "unproven": []}
-    phases: dict[str, list[float]] = {"validate": [], "family_probe": []}
-    every: dict[tuple[str, str], list[float]] = {}
+    phases: dict[tuple[str, str], list[float]] = {}  # (setting, phase) -> its times
     with tempfile.TemporaryDirectory(prefix="hotweights-bench-guard-") as tmp:
         path = save_tiny_model(models[0], Path(tmp) / "a")
         for setting in ("proven", "unproven") * rounds:
@@ -129,25 +128,24 @@ def first_installs(rounds: int, size: str, warm: bool, engine: str = "llm") -> N
                 report = install(sent)
                 seconds[setting].append(time.perf_counter() - t0)
                 for phase, value in report.phases.items():
-                    every.setdefault((setting, phase), []).append(value)
+                    phases.setdefault((setting, phase), []).append(value)
                 if setting == "unproven":
                     assert "family_probe" in report.phases, report.phases
-                    for phase in phases:
-                        phases[phase].append(report.phases[phase])
             finally:
                 families.PROVEN = proven
                 stop()
-    med = {k: statistics.median(v) * 1e3 for k, v in {**seconds, **phases}.items()}
+    med = {k: statistics.median(v) * 1e3 for k, v in seconds.items()}
+    med.update({p: statistics.median(v) * 1e3 for (setting, p), v in phases.items() if setting == "unproven"})
     guard = med["unproven"] - med["proven"]
     kind = "AsyncLLM (worker extension)" if engine == "async" else "in-process LLM"
     print(f"first install into a fresh {'warm' if warm else 'cold'} {kind}, medians of {rounds}: proven "
           f"{med['proven']:.0f} ms, unproven {med['unproven']:.0f} ms: the guard adds {guard:.0f} ms "
           f"({guard / med['proven']:.2f}x the install); validate {med['validate']:.0f} ms (the reference), "
           f"family_probe {med['family_probe']:.0f} ms (the engine scoring it)")  # fmt: skip
-    names = sorted({phase for _, phase in every}, key=lambda p: -statistics.median(every.get(("unproven", p), [0])))
+    names = sorted({p for _, p in phases}, key=lambda p: -statistics.median(phases.get(("unproven", p), [0])))
     print("phases, medians (ms), proven / unproven: " + ", ".join(
-        f"{p} {statistics.median(every.get(('proven', p), [0])) * 1e3:.0f} / "
-        f"{statistics.median(every.get(('unproven', p), [0])) * 1e3:.0f}" for p in names
+        f"{p} {statistics.median(phases.get(('proven', p), [0])) * 1e3:.0f} / "
+        f"{statistics.median(phases.get(('unproven', p), [0])) * 1e3:.0f}" for p in names
     ))  # fmt: skip
 
 
