@@ -83,6 +83,25 @@ def install_faults(model: Any) -> None:
         setter.apply_direct, setter._faulty = apply_direct, True  # type: ignore[attr-defined]
 
 
+#: The row counts of this process's eager logprob rankings, after :func:`count_eager_ranks`.
+_EAGER_CALLS: list[int] = []
+
+
+def count_eager_ranks() -> None:
+    """From now on this process counts its eager logprob rankings (the family probe's) in :data:`_EAGER_CALLS`."""
+    from hotweights.vllm import patches
+
+    if getattr(patches, "_faulty", False):
+        return
+    eager = patches._count_at_least
+
+    def counted(x: Any, values: Any) -> Any:
+        _EAGER_CALLS.append(int(x.shape[0]))
+        return eager(x, values)
+
+    patches._count_at_least, patches._faulty = counted, True  # type: ignore[attr-defined]
+
+
 def faulty(weights: Iterable[tuple[str, torch.Tensor]], fault: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
     """``weights`` with ``fault`` applied."""
     kind, args = (fault[0], fault[1:]) if fault else ("", [])
@@ -112,8 +131,21 @@ class FaultyExtension(HotWeightsWorkerExtension):
 
     def faulty_plant(self) -> None:
         install_faults(self.model_runner.model)  # type: ignore[attr-defined]
+        count_eager_ranks()
+
+    def faulty_ranks(self) -> dict[str, Any]:
+        """How many times this worker ranked logprobs eagerly (:func:`count_eager_ranks`), and whether vLLM's own
+        ranking is in place now."""
+        from vllm.v1.sample import sampler
+        from vllm.v1.sample.ops import logprobs
+
+        restored = sampler.batched_count_greater_than is logprobs.batched_count_greater_than
+        return {"eager_calls": len(_EAGER_CALLS), "restored": restored}
 
     def hotweights_engine(self, op: str, args_json: str = "{}") -> Any:
-        """hotweights' own, after :meth:`faulty_plant` (a server's guard lets only hotweights' methods through)."""
+        """hotweights' own, after :meth:`faulty_plant` (a server's guard lets only hotweights' methods through); and
+        ``"faulty_ranks"``: :meth:`faulty_ranks`, reached through a server's guard."""
         self.faulty_plant()
+        if op == "faulty_ranks":
+            return self.faulty_ranks()
         return super().hotweights_engine(op, args_json)

@@ -12,7 +12,7 @@ import torch
 import hotweights
 from hotweights.adapters import VLLMInProcessAdapter
 from hotweights.core import families
-from hotweights.vllm import compat, introspect
+from hotweights.vllm import compat, introspect, patches
 
 from .conftest import TinyCheckpoint, Variant, greedy_vllm, start_engine, stop_engine
 
@@ -64,6 +64,30 @@ def test_an_unproven_family_is_probed_once_per_engine(
         hotweights.install(llm, b.state_dict(), weight_version=3, adapter=None, unproven="refuse")
     trusted = hotweights.install(llm, b.state_dict(), weight_version=3, unproven="trust")
     assert "probed at v1" in (trusted.family_check or "")  # this engine passed already
+
+
+def test_the_probe_ranks_logprobs_eagerly_and_gives_vllms_ranking_back(
+    engine: tuple[Any, TinyCheckpoint, TinyCheckpoint], unproven: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM compiles its logprob ranking on an engine's first logprobs request (seconds on CPU): the probe's request
+    ranks eagerly instead, so that compile never runs inside the install, and vLLM's own function is back after."""
+    from vllm.v1.sample import sampler
+    from vllm.v1.sample.ops import logprobs
+
+    llm, _, b = engine
+    calls: list[int] = []
+    eager = patches._count_at_least
+
+    def counted(x: Any, values: Any) -> Any:
+        calls.append(int(x.shape[0]))
+        return eager(x, values)
+
+    monkeypatch.setattr(patches, "_count_at_least", counted)
+    report = hotweights.install(llm, b.state_dict(), weight_version=1)
+    assert "probed at v1" in (report.family_check or "") and "family_probe" in report.phases
+    assert calls, "the probe's prompt logprobs were ranked by vLLM's compiled function"
+    assert sampler.batched_count_greater_than is logprobs.batched_count_greater_than
+    assert greedy_vllm(llm) == b.fresh
 
 
 def test_an_install_that_leaves_a_layer_stale_fails_closed(

@@ -84,6 +84,10 @@ def test_an_unproven_family_in_an_async_llm_is_probed_by_default(async_engine: E
     report = e.install(e.b)
     assert "probed at v1" in (report.family_check or ""), report.family_check
     assert "family_probe" in report.phases
+    # the probe ranked its logprobs eagerly in the worker (vLLM's first-logprobs compile is not paid inside the
+    # install), and vLLM's own ranking is back after it
+    (ranks,) = e.loop.run(e.engine.collective_rpc("faulty_ranks"))
+    assert ranks["eager_calls"] > 0 and ranks["restored"], ranks
     assert e.greedy() == e.b.fresh
     again = e.install(e.a)  # probed once per engine
     assert "family_probe" not in again.phases

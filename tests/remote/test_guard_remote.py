@@ -67,6 +67,9 @@ def test_an_unproven_family_on_a_server_is_probed_and_a_planted_fault_fails_clos
     probed = hotweights.install(engine, b, weight_version=1)
     assert "probed at v1" in (probed.family_check or ""), probed.family_check
     assert "family_probe" in probed.phases
+    # the server's guard had its workers rank the probe's logprobs eagerly, and put vLLM's ranking back
+    (ranks,) = engine.workers.call("hotweights_engine", "faulty_ranks", "{}", timeout=TIMEOUT)
+    assert ranks["eager_calls"] > 0 and ranks["restored"], ranks
     assert engine.get_weight_version() == "1"
     assert server.completions(PROMPTS) == hf["B"]
     engine.__dict__.pop("_hotweights_family_probed", None)  # as on the server's first install

@@ -755,6 +755,7 @@ ENGINE_ARGS: dict[str, st.SearchStrategy[dict[str, Any]]] = {
     "sees_shm": st.fixed_dictionaries(
         {"name": st.sampled_from(["hotweights-proof-" + "0" * 32, "../../etc/passwd", "hotweights-proof-"]) | garbage}
     ),
+    "eager_ranks": st.fixed_dictionaries({"on": st.booleans() | garbage}),
 }
 hostile_ops = (
     st.sampled_from(

@@ -8,13 +8,12 @@ actor); it implements :meth:`Workers.call` and overrides what differs.
 
 from __future__ import annotations
 
-import importlib
 import logging
 from abc import ABC, abstractmethod
 from typing import Any
 
 from hotweights.core.errors import EngineNotSupportedError
-from hotweights.vllm import introspect
+from hotweights.vllm.introspect import extension_class_is_ours
 
 __all__ = ["STATUS_TIMEOUT", "NoWorkers", "Workers", "extension_class_is_ours"]
 
@@ -119,21 +118,3 @@ class NoWorkers(Workers):
         self, method: str, *args: Any, timeout: float | None = None, kwargs: dict[str, Any] | None = None
     ) -> list[Any]:
         raise EngineNotSupportedError(f"{self.why} ({method!r})")
-
-
-def extension_class_is_ours(name: str) -> bool | None:
-    """Whether the ``worker_extension_cls`` ``name`` is hotweights' worker extension or a subclass of it (such as
-    :class:`hotweights.integrations.verl.VerlWorkerExtension`), so the workers carry every ``hotweights_`` method:
-    decided by importing the class here; None where it cannot be imported in this process (the workers' own answer
-    decides then)."""
-    if not name or name == introspect.WORKER_EXTENSION:
-        return bool(name)
-    module, _, attr = name.rpartition(".")
-    try:
-        found = getattr(importlib.import_module(module), attr)
-    except (ImportError, AttributeError, ValueError):
-        log.debug("hotweights: the worker extension %r cannot be imported here", name, exc_info=True)
-        return None
-    from hotweights.vllm.worker.extension import HotWeightsWorkerExtension  # the worker's code, imported only here
-
-    return isinstance(found, type) and issubclass(found, HotWeightsWorkerExtension)

@@ -6,6 +6,7 @@ so ``import hotweights`` stays cheap and works without vLLM (checked against vLL
 
 from __future__ import annotations
 
+import importlib
 import logging
 from typing import Any
 
@@ -28,6 +29,7 @@ __all__ = [
     "engine_model_config",
     "engine_weight_version",
     "extensible_kv_cache",
+    "extension_class_is_ours",
     "has_unfinished_requests",
     "inprocess_model",
     "is_sleeping",
@@ -238,6 +240,24 @@ def worker_extension(llm: Any) -> str:
     """The ``worker_extension_cls`` the engine was started with ("" when none)."""
     parallel = getattr(llm_engine(llm).vllm_config, "parallel_config", None)
     return str(getattr(parallel, "worker_extension_cls", "") or "")
+
+
+def extension_class_is_ours(name: str) -> bool | None:
+    """Whether the ``worker_extension_cls`` ``name`` is hotweights' worker extension or a subclass of it (such as
+    :class:`hotweights.integrations.verl.VerlWorkerExtension`), so the workers carry every ``hotweights_`` method:
+    decided by importing the class here; None where it cannot be imported in this process (the workers' own answer
+    decides then)."""
+    if not name or name == WORKER_EXTENSION:
+        return bool(name)
+    module, _, attr = name.rpartition(".")
+    try:
+        found = getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError, ValueError):
+        _log.debug("hotweights: the worker extension %r cannot be imported here", name, exc_info=True)
+        return None
+    from hotweights.vllm.worker.extension import HotWeightsWorkerExtension  # the worker's code, imported only here
+
+    return isinstance(found, type) and issubclass(found, HotWeightsWorkerExtension)
 
 
 def weight_transfer_backend(llm: Any) -> str:

@@ -1,12 +1,15 @@
 """Every patch hotweights makes to a vLLM engine object, each recorded with :func:`hotweights.core.attach.patch` so
 that ``detach`` undoes it: the engine's ``sleep``/``wake_up`` tracked, the core client's serialised sends, its calls
 watched for the engine core's death (:func:`attach_llm`: all of these, once, when a ``vllm.LLM``'s handle is made),
-the serving gate around the ``LLM``'s generation methods and its ``add_request``, and callbacks at its shutdown."""
+the serving gate around the ``LLM``'s generation methods and its ``add_request``, and callbacks at its shutdown;
+and, while the family probe scores an engine, vLLM's logprob ranking in this process run eagerly
+(:func:`rank_logprobs_eagerly`), put back when the probe ends."""
 
 from __future__ import annotations
 
 import functools
 import logging
+import sys
 import threading
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -21,6 +24,7 @@ __all__ = [
     "SleepTracker",
     "attach_llm",
     "on_shutdown",
+    "rank_logprobs_eagerly",
     "release",
     "serving_gate",
     "track_sleep",
@@ -290,3 +294,45 @@ def _gate_requests(llm: Any, gate: ServingGate) -> None:
     attach.patch(llm, engine, "add_request", gated_add)
     attach.patch(llm, engine, "step", _then(release_if_idle))
     attach.patch(llm, llm, "_run_engine", _then(leave_then_release))
+
+
+# ------------------------------------------------------------------------------------ the probe's logprob ranking
+#: Where vLLM's V1 sampler reads its logprob ranking from: ``batched_count_greater_than``, a ``torch.compile``d
+#: function (``vllm/v1/sample/ops/logprobs.py``) compiled on the first request that asks for logprobs (2 s on this
+#: CPU's tiny model). When that request is the family probe's, the compile would run inside the install, while
+#: generation is held. Model Runner V2 ranks in a Triton kernel and has no such name: nothing is patched there.
+_SAMPLER, _RANKS = "vllm.v1.sample.sampler", "batched_count_greater_than"
+
+
+class _EagerRanks:
+    lock = threading.Lock()
+    holds = 0
+    compiled: Any = None
+
+
+def _count_at_least(x: Any, values: Any) -> Any:
+    """``batched_count_greater_than`` without the compile: the same expression, run eagerly (the same counts)."""
+    return (x >= values).sum(-1)
+
+
+def rank_logprobs_eagerly(on: bool) -> bool:
+    """Take (``on``) or give back a hold on eager logprob ranking in this process: while any hold is taken, vLLM's
+    sampler here counts each logprob token's rank eagerly instead of through its compiled function, so a probe on an
+    engine that never served logprobs does not pay vLLM's first compile inside the install (the engine's own
+    first logprobs request still does, as it would without hotweights). The compiled function is put back when the
+    last hold is given back. Returns False where this process runs no V1 sampler (nothing is patched)."""
+    sampler = sys.modules.get(_SAMPLER)
+    if sampler is None or not hasattr(sampler, _RANKS):
+        return False
+    with _EagerRanks.lock:
+        if on:
+            if _EagerRanks.holds == 0:
+                _EagerRanks.compiled = getattr(sampler, _RANKS)
+                setattr(sampler, _RANKS, _count_at_least)
+            _EagerRanks.holds += 1
+        elif _EagerRanks.holds > 0:
+            _EagerRanks.holds -= 1
+            if _EagerRanks.holds == 0:
+                setattr(sampler, _RANKS, _EagerRanks.compiled)
+                _EagerRanks.compiled = None
+    return True

@@ -1,5 +1,8 @@
 """The family probe's score, asked of a running engine: the log-probability of each probe token after the ones
-before it (``prompt_logprobs=0``, one greedy step), from an ``LLM`` or an ``AsyncLLM``.
+before it (``prompt_logprobs=0``, one greedy step), from an ``LLM`` or an ``AsyncLLM``. While it scores, the
+engine's processes rank logprobs eagerly (:func:`hotweights.vllm.patches.rank_logprobs_eagerly`: in this process,
+and in the workers through hotweights' worker extension where they carry it), so an engine that never served
+logprobs does not compile vLLM's ranking inside the install.
 
 Example:
     >>> class Logprob:
@@ -13,10 +16,17 @@ Example:
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import itertools
+import json
+import logging
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import Any
+
+from hotweights.vllm import introspect
+from hotweights.vllm.patches import rank_logprobs_eagerly
 
 __all__ = ["MAX_PROBE_TOKENS", "PROBE_REQUEST_PREFIX", "read_scores", "score", "score_async", "score_during_install"]
 
@@ -25,6 +35,10 @@ PROBE_REQUEST_PREFIX = "hotweights-probe-"
 _ids = itertools.count()
 #: The longest probe an engine scores for a caller in another process (a server's guard, an actor).
 MAX_PROBE_TOKENS = 64
+#: Seconds the workers may take to take or give back their hold on eager ranking.
+EAGER_RANKS_TIMEOUT = 30.0
+
+_log = logging.getLogger("hotweights")
 
 
 def _params() -> Any:
@@ -50,8 +64,45 @@ def _prompt(token_ids: Sequence[int]) -> dict[str, Any]:
 
 def score(llm: Any, token_ids: Sequence[int]) -> list[float | None]:
     """A ``vllm.LLM``'s scores of ``token_ids`` (called by the thread that holds its gate)."""
-    (out,) = llm.generate([_prompt(token_ids)], _params(), use_tqdm=False)
+    with _ranking_eagerly(llm):
+        (out,) = llm.generate([_prompt(token_ids)], _params(), use_tqdm=False)
     return read_scores(token_ids, out)
+
+
+def _ops_in_workers(engine: Any) -> bool:
+    """Whether the engine's workers carry hotweights' worker extension (its ``eager_ranks`` operation)."""
+    try:
+        return bool(introspect.extension_class_is_ours(introspect.worker_extension(engine)))
+    except Exception:  # an engine whose config cannot be read: ranked as vLLM ranks
+        return False
+
+
+def _eager_args(on: bool) -> tuple[str, str]:
+    return "eager_ranks", json.dumps({"on": on})
+
+
+@contextlib.contextmanager
+def _ranking_eagerly(llm: Any) -> Iterator[None]:
+    """Eager logprob ranking in this process and in ``llm``'s workers while the probe scores (best effort: a worker
+    that cannot take the hold ranks as vLLM does, through its compile)."""
+    local = rank_logprobs_eagerly(True)
+    workers = _ops_in_workers(llm)
+    try:
+        if workers:
+            try:
+                llm.collective_rpc("hotweights_engine", timeout=EAGER_RANKS_TIMEOUT, args=_eager_args(True))
+            except Exception:
+                _log.debug("hotweights: the workers did not take eager ranking for the probe", exc_info=True)
+                workers = False
+        yield
+    finally:
+        if workers:
+            try:
+                llm.collective_rpc("hotweights_engine", timeout=EAGER_RANKS_TIMEOUT, args=_eager_args(False))
+            except Exception:
+                _log.debug("hotweights: the workers did not give eager ranking back", exc_info=True)
+        if local:
+            rank_logprobs_eagerly(False)
 
 
 async def score_async(generate: Callable[..., AsyncIterator[Any]], token_ids: Sequence[int]) -> list[float | None]:
@@ -72,6 +123,8 @@ async def score_during_install(engine: Any, token_ids: Sequence[int], label: str
     paused = bool(await engine.is_paused())
     if label is not None:
         await engine.update_weight_version(label)
+    local = rank_logprobs_eagerly(True)
+    workers = _ops_in_workers(engine) and await _eager_async(engine, True)
     if paused:
         await engine.resume_generation()
     try:
@@ -79,3 +132,17 @@ async def score_during_install(engine: Any, token_ids: Sequence[int], label: str
     finally:
         if paused:
             await engine.pause_generation(mode="keep", clear_cache=False)
+        if workers:
+            await _eager_async(engine, False)
+        if local:
+            rank_logprobs_eagerly(False)
+
+
+async def _eager_async(engine: Any, on: bool) -> bool:
+    """Take or give back the ``AsyncLLM``'s workers' hold on eager ranking; False where they did not answer."""
+    try:
+        await asyncio.wait_for(engine.collective_rpc("hotweights_engine", args=_eager_args(on)), EAGER_RANKS_TIMEOUT)
+        return True
+    except Exception:
+        _log.debug("hotweights: the workers did not %s eager ranking", "take" if on else "give back", exc_info=True)
+        return False

@@ -6,8 +6,8 @@ any of them raises leaves with its envelope (:mod:`hotweights.core.envelope`): t
 
 Five of them are the install session (:mod:`hotweights.vllm.worker.session`): ``begin`` -> ``stage`` per bucket ->
 ``prepare`` -> ``commit``, or ``abort``. The sixth, ``hotweights_engine``, reads and sets the worker's state that
-outlives a session: its status, the pause record, the KV cache, the collective group, kept shm segments and the
-delta copy.
+outlives a session: its status, the pause record, the KV cache, the collective group, kept shm segments, the
+delta copy, and eager logprob ranking while the family probe runs.
 """
 
 from __future__ import annotations
@@ -202,6 +202,16 @@ def _sees_shm(worker: Any, name: str) -> str:
         return ""
 
 
+def _eager_ranks(worker: Any, on: bool) -> bool:
+    """Take (``on``) or give back a hold on eager logprob ranking in this worker, around the family probe
+    (:func:`hotweights.vllm.patches.rank_logprobs_eagerly`); False where this worker has no V1 sampler."""
+    from hotweights.vllm.patches import rank_logprobs_eagerly
+
+    if not isinstance(on, bool):
+        raise ValueError('eager_ranks takes {"on": true} or {"on": false}')
+    return rank_logprobs_eagerly(on)
+
+
 #: What ``hotweights_engine`` does, by operation name.
 ENGINE_OPS: dict[str, Callable[..., Any]] = {
     "status": _status,
@@ -212,4 +222,5 @@ ENGINE_OPS: dict[str, Callable[..., Any]] = {
     "release_segments": _release_segments,
     "forget_base": _forget_base,
     "sees_shm": _sees_shm,
+    "eager_ranks": _eager_ranks,
 }
