@@ -156,6 +156,8 @@ class ProbeGate(Protocol):
     """What :class:`AsyncModel` asks of an ``AsyncLLM``'s gate while the family probe runs inside an install."""
 
     relabel: str | None
+    ours: bool
+    """Whether the running install paused the engine (and so resumes it at its end)."""
 
     def probing(self) -> AbstractContextManager[None]: ...
 
@@ -196,7 +198,7 @@ class AsyncModel(ServedModel):
         label = label if handle.pause_mode in ("keep", "recompute") else None
         if label is not None:
             handle.gate.relabel = handle.get_weight_version()
-        with handle.gate.probing():
-            scored = scoring.score_during_install(handle.engine, token_ids, label)
+        with handle.gate.probing():  # the install resumes an engine it paused: no second pause after the probe
+            scored = scoring.score_during_install(handle.engine, token_ids, label, repause=not handle.gate.ours)
             scores: list[float | None] = handle.run(scored, PROBE_TIMEOUT, "the family probe")
             return scores

@@ -114,7 +114,9 @@ async def score_async(generate: Callable[..., AsyncIterator[Any]], token_ids: Se
     return read_scores(token_ids, final)
 
 
-async def score_during_install(engine: Any, token_ids: Sequence[int], label: str | None = None) -> list[float | None]:
+async def score_during_install(
+    engine: Any, token_ids: Sequence[int], label: str | None = None, *, repause: bool = True
+) -> list[float | None]:
     """The scores from an ``AsyncLLM`` whose install paused it: resumed for the probe's one request (the caller keeps
     every other new request away), then paused again as it was (``keep``: requests in flight stay frozen), so a
     failed probe leaves the install's pause in place. Requests in flight (frozen by ``keep`` or ``recompute``) decode
@@ -130,7 +132,7 @@ async def score_during_install(engine: Any, token_ids: Sequence[int], label: str
     try:
         return await score_async(type(engine).generate.__get__(engine), token_ids)
     finally:
-        if paused:
+        if paused and repause:
             await engine.pause_generation(mode="keep", clear_cache=False)
         if workers:
             await _eager_async(engine, False)
