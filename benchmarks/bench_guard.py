@@ -8,12 +8,16 @@ first install is probed), each install timed whole; reported: the first install'
 later installs in each setting and their ratio, and ``check_family``'s own time per install.
 
 ``--warm``: the engine serves one request with ``prompt_logprobs`` before the first install, as an RL rollout engine
-that returns logprobs has (vLLM compiles its logprob ranking on the first such request, ~1.7 s here; a cold engine
-pays that inside the probe).
+that returns logprobs has (vLLM compiles its logprob ranking on the first such request, ~2 s here; the probe ranks
+its own request eagerly, so a cold engine no longer pays that compile inside the install).
 
-``--first N`` (``--engine llm|async``): what the guard adds to the install it guards: N rounds, each starting a
-fresh engine per setting (an in-process ``LLM``, or an ``AsyncLLM`` with the worker extension installed into with
-``install_async``), proven then unproven, and timing its first install, the one an unproven family is probed on;
+The trainer's model (the sent tensors) is loaded with ``from_pretrained``, as trainers load theirs: the probe's
+reference is then not the process's first use of transformers' loader (its first load costs about 35 ms more).
+
+``--first N`` (``--engine llm|async|server``): what the guard adds to the install it guards: N rounds, each starting
+a fresh engine per setting (an in-process ``LLM``, an ``AsyncLLM`` with the worker extension installed into with
+``install_async``, or a ``python -m hotweights.serve`` server reached with ``connect()``, whose guard scores the
+probe), proven then unproven, and timing its first install, the one an unproven family is probed on;
 reported: the medians of the first installs, the guard's share (unproven minus proven, against proven), the unproven
 install's ``validate`` (the reference built and scored) and ``family_probe`` (the engine scoring it) phases, and
 every phase's median in both settings.
@@ -23,7 +27,7 @@ bf16, bf16 -> bf16), each in a process of its own: its time and its peak residen
 before (sampled every 2 ms), against the model's size.
 
 Run: ``.venv/bin/python benchmarks/bench_guard.py [--rounds 20] [--size full|tiny] [--warm] [--first N]
-[--engine llm|async] [--reference]``.
+[--engine llm|async|server] [--reference]``.
 """
 
 from __future__ import annotations
@@ -113,17 +117,21 @@ def first_installs(rounds: int, size: str, warm: bool, engine: str = "llm") -> N
     """The first install into fresh engines, proven and unproven in turn (see ``--first``): in-process ``vllm.LLM``
     engines, or (``engine="async"``) ``AsyncLLM`` engines with hotweights' worker extension, installed into with
     ``install_async`` from their event loop, as an asynchronous RL trainer does."""
-    models = [build_tiny_model("qwen2", seed=s, **SIZES[size]) for s in (1, 2)]
-    sent = dict(models[1].state_dict())
+    import transformers
+
     proven = families.PROVEN
     seconds: dict[str, list[float]] = {"proven": [], "unproven": []}
     phases: dict[tuple[str, str], list[float]] = {}  # (setting, phase) -> its times
     with tempfile.TemporaryDirectory(prefix="hotweights-bench-guard-") as tmp:
-        path = save_tiny_model(models[0], Path(tmp) / "a")
+        path, trained = (save_tiny_model(build_tiny_model("qwen2", seed=s, **SIZES[size]), Path(tmp) / n)
+                         for s, n in ((1, "a"), (2, "b")))  # fmt: skip
+        # the trainer's model, loaded as trainers load theirs (transformers' loader is warm in its process then)
+        sent = dict(transformers.AutoModelForCausalLM.from_pretrained(trained).state_dict())
         for setting in ("proven", "unproven") * rounds:
-            install, stop = (_async_engine if engine == "async" else _llm_engine)(path, warm)
+            install, stop = ENGINES[engine](path, warm)
             try:
                 families.PROVEN = {} if setting == "unproven" else proven
+                time.sleep(TRAIN_STEP_S)  # the trainer's step, between the engine's last request and the install
                 t0 = time.perf_counter()
                 report = install(sent)
                 seconds[setting].append(time.perf_counter() - t0)
@@ -137,7 +145,7 @@ def first_installs(rounds: int, size: str, warm: bool, engine: str = "llm") -> N
     med = {k: statistics.median(v) * 1e3 for k, v in seconds.items()}
     med.update({p: statistics.median(v) * 1e3 for (setting, p), v in phases.items() if setting == "unproven"})
     guard = med["unproven"] - med["proven"]
-    kind = "AsyncLLM (worker extension)" if engine == "async" else "in-process LLM"
+    kind = {"async": "AsyncLLM (worker extension)", "server": "server (connect())"}.get(engine, "in-process LLM")
     print(f"first install into a fresh {'warm' if warm else 'cold'} {kind}, medians of {rounds}: proven "
           f"{med['proven']:.0f} ms, unproven {med['unproven']:.0f} ms: the guard adds {guard:.0f} ms "
           f"({guard / med['proven']:.2f}x the install); validate {med['validate']:.0f} ms (the reference), "
@@ -151,14 +159,22 @@ def first_installs(rounds: int, size: str, warm: bool, engine: str = "llm") -> N
 
 Install = Callable[[dict[str, Any]], Any]
 
+#: Seconds between the engine's last request (its start, ``--warm``'s request) and the first install: an RL trainer's
+#: step comes between them. vLLM's multiprocess workers busy-poll their message queue for 1 s after each read
+#: (``SpinCondition`` in ``vllm/distributed/device_communicators/shm_broadcast.py``): within that second the probe's
+#: reference shares the 2 cores with the poll (150M: 234 ms right after a request, 109 ms 1.5 s after, 102-117 ms
+#: with no engine).
+TRAIN_STEP_S = 1.5
+
 
 def _llm_engine(path: Path, warm: bool) -> tuple[Install, Callable[[], None]]:
     """A fresh in-process ``LLM``: its install and its stop."""
-    from hotweights.vllm.scoring import score
+    from vllm import SamplingParams
 
     llm = start_engine(path, max_model_len=64)
-    if warm:
-        score(llm, [2, 3, 4, 5])
+    if warm:  # the engine's own logprobs request (not the probe's, which ranks eagerly)
+        sp = SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False)
+        llm.generate([{"prompt_token_ids": [2, 3, 4, 5]}], sp, use_tqdm=False)
     return (lambda sd: hotweights.install(llm, sd, weight_version=1)), lambda: stop_engine(llm)
 
 
@@ -184,6 +200,30 @@ def _async_engine(path: Path, warm: bool) -> tuple[Install, Callable[[], None]]:
     return (lambda sd: loop.run(hotweights.install_async(engine, sd, weight_version=1))), stop
 
 
+def _server_engine(path: Path, warm: bool) -> tuple[Install, Callable[[], None]]:
+    """A fresh server behind hotweights' guard (which scores the probe), reached with ``connect()``. ``warm`` does
+    not apply: the server runs without a tokenizer, and vLLM's OpenAI server detokenizes the logprobs it returns."""
+    import contextlib
+    import secrets
+
+    from bench_remote import running_server  # benchmarks/ is this script's directory
+
+    token = secrets.token_urlsafe(24)
+    stack = contextlib.ExitStack()
+    url = stack.enter_context(running_server(path, path.parent / "server.log", token))
+    engine = hotweights.connect(url, token=token, timeout=60.0)
+    stack.callback(engine.close)
+    return (lambda sd: hotweights.install(engine, sd, weight_version=1)), stack.close
+
+
+#: ``--engine``'s engines: each starts a fresh one, returning its install and its stop.
+ENGINES: dict[str, Callable[[Path, bool], tuple[Install, Callable[[], None]]]] = {
+    "llm": _llm_engine,
+    "async": _async_engine,
+    "server": _server_engine,
+}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=20)
@@ -191,7 +231,7 @@ def main() -> int:
     parser.add_argument("--warm", action="store_true", help="one prompt_logprobs request before the first install")
     parser.add_argument("--reference", action="store_true", help="the reference's time and memory, per dtype")
     parser.add_argument("--first", type=int, metavar="N", help="N first installs into fresh engines per setting")
-    parser.add_argument("--engine", choices=("llm", "async"), default="llm", help="--first's engines")
+    parser.add_argument("--engine", choices=sorted(ENGINES), default="llm", help="--first's engines")
     parser.add_argument("--reference-case", choices=sorted(CASES), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.first:

@@ -37,7 +37,7 @@ import hotweights
 import hotweights.adapters
 import hotweights.core.buckets
 import hotweights.handles
-from hotweights.serve import server_command
+from hotweights.serve import server_command, server_env
 from hotweights.testing import PROMPTS, build_tiny_model, greedy_hf, save_tiny_model
 
 SIZES: dict[str, dict[str, int]] = {
@@ -51,16 +51,16 @@ CPU_FLAGS = [
 
 
 @contextlib.contextmanager
-def running_server(model: Path, log: Path) -> Iterator[str]:
+def running_server(model: Path, log: Path, token: str | None = None) -> Iterator[str]:
+    """A server on ``model`` (its url while it runs); with ``token``, behind hotweights' guard (which also scores the
+    family probe), as ``python -m hotweights.serve`` starts it."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    cmd = server_command(str(model), port=port, extra=CPU_FLAGS)
+    cmd = server_command(str(model), port=port, extra=CPU_FLAGS, guard=token is not None)
+    env = server_env(token) if token is not None else {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}
     with log.open("wb") as out:
-        proc = subprocess.Popen(
-            cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "VLLM_SERVER_DEV_MODE": "1"},
-            start_new_session=True,
-        )  # fmt: skip
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 300
@@ -68,7 +68,8 @@ def running_server(model: Path, log: Path) -> Iterator[str]:
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"server did not come up:\n{log.read_text()[-3000:]}")
             with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{url}/v1/models", timeout=2.0, trust_env=False).is_success:
+                auth = {"Authorization": f"Bearer {token}"} if token is not None else {}
+                if httpx.get(f"{url}/v1/models", headers=auth, timeout=2.0, trust_env=False).is_success:
                     break
             time.sleep(0.5)
         yield url
