@@ -86,23 +86,25 @@ def _ranking_eagerly(llm: Any) -> Iterator[None]:
     """Eager logprob ranking in this process and in ``llm``'s workers while the probe scores (best effort: a worker
     that cannot take the hold ranks as vLLM does, through its compile)."""
     local = rank_logprobs_eagerly(True)
-    workers = _ops_in_workers(llm)
+    workers = False
     try:
-        if workers:
-            try:
-                llm.collective_rpc("hotweights_engine", timeout=EAGER_RANKS_TIMEOUT, args=_eager_args(True))
-            except Exception:
-                _log.debug("hotweights: the workers did not take eager ranking for the probe", exc_info=True)
-                workers = False
+        workers = _ops_in_workers(llm) and _eager_in_workers(llm, True)
         yield
     finally:
         if workers:
-            try:
-                llm.collective_rpc("hotweights_engine", timeout=EAGER_RANKS_TIMEOUT, args=_eager_args(False))
-            except Exception:
-                _log.debug("hotweights: the workers did not give eager ranking back", exc_info=True)
+            _eager_in_workers(llm, False)
         if local:
             rank_logprobs_eagerly(False)
+
+
+def _eager_in_workers(llm: Any, on: bool) -> bool:
+    """Take or give back a ``vllm.LLM``'s workers' hold on eager ranking; False where they did not answer."""
+    try:
+        llm.collective_rpc("hotweights_engine", timeout=EAGER_RANKS_TIMEOUT, args=_eager_args(on))
+        return True
+    except Exception:
+        _log.debug("hotweights: the workers did not %s eager ranking", "take" if on else "give back", exc_info=True)
+        return False
 
 
 async def score_async(generate: Callable[..., AsyncIterator[Any]], token_ids: Sequence[int]) -> list[float | None]:
@@ -119,21 +121,25 @@ async def score_during_install(
 ) -> list[float | None]:
     """The scores from an ``AsyncLLM`` whose install paused it: resumed for the probe's one request (the caller keeps
     every other new request away), then paused again as it was (``keep``: requests in flight stay frozen), so a
-    failed probe leaves the install's pause in place. Requests in flight (frozen by ``keep`` or ``recompute``) decode
-    on the new weights while it runs: ``label`` (the version being installed) is the weight version their tokens
-    carry from then on."""
+    failed probe leaves the install's pause in place; ``repause=False`` where the install resumes the engine right
+    after the probe whatever it finds (a second pause would cost a scheduler round trip for nothing). Requests in
+    flight (frozen by ``keep`` or ``recompute``) decode on the new weights while it runs: ``label`` (the version being
+    installed) is the weight version their tokens carry from then on."""
     paused = bool(await engine.is_paused())
     if label is not None:
         await engine.update_weight_version(label)
     local = rank_logprobs_eagerly(True)
-    workers = _ops_in_workers(engine) and await _eager_async(engine, True)
-    if paused:
-        await engine.resume_generation()
+    workers = False
     try:
-        return await score_async(type(engine).generate.__get__(engine), token_ids)
+        workers = _ops_in_workers(engine) and await _eager_async(engine, True)
+        if paused:
+            await engine.resume_generation()
+        try:
+            return await score_async(type(engine).generate.__get__(engine), token_ids)
+        finally:
+            if paused and repause:
+                await engine.pause_generation(mode="keep", clear_cache=False)
     finally:
-        if paused and repause:
-            await engine.pause_generation(mode="keep", clear_cache=False)
         if workers:
             await _eager_async(engine, False)
         if local:
