@@ -14,20 +14,20 @@ its own request eagerly, so a cold engine no longer pays that compile inside the
 The trainer's model (the sent tensors) is loaded with ``from_pretrained``, as trainers load theirs: the probe's
 reference is then not the process's first use of transformers' loader (its first load costs about 35 ms more).
 
-``--first N`` (``--engine llm|async|server``): what the guard adds to the install it guards: N rounds, each starting
-a fresh engine per setting (an in-process ``LLM``, an ``AsyncLLM`` with the worker extension installed into with
-``install_async``, or a ``python -m hotweights.serve`` server reached with ``connect()``, whose guard scores the
-probe), proven then unproven, and timing its first install, the one an unproven family is probed on;
-reported: the medians of the first installs, the guard's share (unproven minus proven, against proven), the unproven
-install's ``validate`` (the reference built and scored) and ``family_probe`` (the engine scoring it) phases, and
-every phase's median in both settings.
+``--first N`` (``--engine llm|async|server|ray``): what the guard adds to the install it guards: N rounds, each
+starting a fresh engine per setting (an in-process ``LLM``; an ``AsyncLLM`` with the worker extension, installed into
+with ``install_async``; a server behind hotweights' guard reached with ``connect()``, whose guard scores the probe;
+or a Ray actor hosting an in-process ``LLM``, which scores it), proven then unproven, and timing its first install,
+the one an unproven family is probed on; reported: the medians of the first installs, the guard's share (unproven
+minus proven, against proven), the unproven install's ``validate`` (the reference built and scored) and
+``family_probe`` (the engine scoring it) phases, and every phase's median in both settings.
 
 ``--reference``: the probe's reference alone, for the sent tensors' and the engine's dtypes (fp32 -> fp32, fp32 ->
 bf16, bf16 -> bf16), each in a process of its own: its time and its peak resident memory above what the process held
 before (sampled every 2 ms), against the model's size.
 
 Run: ``.venv/bin/python benchmarks/bench_guard.py [--rounds 20] [--size full|tiny] [--warm] [--first N]
-[--engine llm|async|server] [--reference]``.
+[--engine llm|async|server|ray] [--reference]``.
 """
 
 from __future__ import annotations
@@ -145,7 +145,12 @@ def first_installs(rounds: int, size: str, warm: bool, engine: str = "llm") -> N
     med = {k: statistics.median(v) * 1e3 for k, v in seconds.items()}
     med.update({p: statistics.median(v) * 1e3 for (setting, p), v in phases.items() if setting == "unproven"})
     guard = med["unproven"] - med["proven"]
-    kind = {"async": "AsyncLLM (worker extension)", "server": "server (connect())"}.get(engine, "in-process LLM")
+    kinds = {
+        "async": "AsyncLLM (worker extension)",
+        "server": "server (connect())",
+        "ray": "Ray actor's in-process LLM",
+    }
+    kind = kinds.get(engine, "in-process LLM")
     print(f"first install into a fresh {'warm' if warm else 'cold'} {kind}, medians of {rounds}: proven "
           f"{med['proven']:.0f} ms, unproven {med['unproven']:.0f} ms: the guard adds {guard:.0f} ms "
           f"({guard / med['proven']:.2f}x the install); validate {med['validate']:.0f} ms (the reference), "
@@ -216,11 +221,39 @@ def _server_engine(path: Path, warm: bool) -> tuple[Install, Callable[[], None]]
     return (lambda sd: hotweights.install(engine, sd, weight_version=1)), stack.close
 
 
+def _ray_engine(path: Path, warm: bool) -> tuple[Install, Callable[[], None]]:
+    """A fresh Ray actor hosting an in-process ``LLM`` with the worker extension (as verl and OpenRLHF host theirs),
+    installed into from this process through ``hotweights.integrations.ray``; the actor scores the probe. ``warm``
+    does not apply (the actor serves no logprobs request of its own here)."""
+    import ray
+
+    from hotweights.integrations.ray import EngineActor
+    from hotweights.integrations.ray import engine as actor_engine
+
+    if not ray.is_initialized():
+        src = Path(__file__).resolve().parents[1] / "src"
+        env = {"PYTHONPATH": str(src), "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1"}
+        ray.init(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": env}, log_to_driver=False)
+
+    class Host(EngineActor):
+        def __init__(self, path: str) -> None:
+            self.llm = start_engine(path, max_model_len=64, worker_extension_cls=hotweights.WORKER_EXTENSION)
+
+        def ready(self) -> bool:
+            return True
+
+    actor = ray.remote(Host).options(num_cpus=0, max_concurrency=2).remote(str(path))
+    ray.get(actor.ready.remote(), timeout=300)
+    handle = actor_engine(actor)
+    return (lambda sd: hotweights.install(handle, sd, weight_version=1)), lambda: ray.kill(actor)
+
+
 #: ``--engine``'s engines: each starts a fresh one, returning its install and its stop.
 ENGINES: dict[str, Callable[[Path, bool], tuple[Install, Callable[[], None]]]] = {
     "llm": _llm_engine,
     "async": _async_engine,
     "server": _server_engine,
+    "ray": _ray_engine,
 }
 
 
