@@ -183,17 +183,25 @@ def _storage(llm: Any) -> dict[str, int]:
     return {n: p.data_ptr() for n, p in inprocess_model(llm).named_parameters() if p.numel()}
 
 
-def test_nonfinite_tensor_is_refused_before_the_swap(engine: Any) -> None:
-    """verl's tensors are copied straight into the parameters' next storage, which the commit swaps in: a NaN in
-    the last tensor the engine serves is still refused by the check of every staged tensor, and nothing is swapped."""
+@pytest.mark.parametrize(
+    "names",
+    [
+        ("model.norm.weight",),  # the last tensor the engine serves: checked after verl's last bucket
+        ("model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.bias"),  # verl's first bucket, two params
+    ],
+)
+def test_nonfinite_tensor_is_refused_before_the_swap(engine: Any, names: tuple[str, ...]) -> None:
+    """verl's tensors are copied straight into the parameters' next storage, which the commit swaps in: a NaN
+    is still refused by the check of every staged tensor (each of verl's buckets checked in one go, every bad
+    tensor of it named), and nothing is swapped."""
     served, version, storage = greedy_vllm(engine), _version(engine), _storage(engine)
     weights = _weights(4)
-    name = "model.norm.weight"
-    weights[name] = weights[name].clone()
-    weights[name][3] = float("nan")
+    for name in names:
+        weights[name] = weights[name].clone()
+        weights[name].view(-1)[3] = float("nan")
     result, error, _ = _sync(engine, weights)
     assert isinstance(error, hotweights.NonFiniteWeightsError), (result, error)
-    assert [(m.kind, m.name) for m in error.mismatches] == [("nonfinite", name)]
+    assert sorted((m.kind, m.name) for m in error.mismatches) == sorted(("nonfinite", n) for n in names)
     assert greedy_vllm(engine) == served and _version(engine) == version and _storage(engine) == storage
 
 

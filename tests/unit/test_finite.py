@@ -92,3 +92,30 @@ def test_the_staging_area_checks_each_bucket_and_tensors_by_reference() -> None:
         staging.stage_by_reference(m.update_id, list(tensors.items()))
     staging.begin(m, check=False, finite=False)
     staging.stage_by_reference(m.update_id, list(tensors.items()))
+
+
+@pytest.mark.parametrize("flush", [True, False])
+def test_a_deferred_check_is_late_at_worst_never_skipped(flush: bool) -> None:
+    """Buckets staged with ``defer_check`` (an in-process stager grouping many small buckets) are checked together
+    when flushed, else when the session is taken: a NaN in any of them still refuses the update, naming it."""
+    tensors = {"a": torch.ones(8), "b": torch.tensor([0.0, NAN, 0.0, 0.0]), "c": torch.full((4,), INF)}
+    m = WeightUpdateManifest.from_state_dict(tensors, weight_version=1)
+    staging = StagingArea(owner=None)
+    staging.begin(m, check=False)
+    buckets = plan_buckets(m, bucket_bytes=32)
+    assert len(buckets) == 3
+    for bucket in buckets:
+        buffer = torch.zeros(bucket.nbytes, dtype=torch.uint8)
+        pack_into(buffer, bucket, tensors)
+        descriptor = {"transport": "bytes", "nbytes": bucket.nbytes, "data": buffer.numpy().tobytes()}
+        staging.stage(m.update_id, bucket, descriptor, defer_check=True)  # a Bucket: no JSON in-process
+    assert staging.current(m.update_id).checks == []  # nothing checked yet
+    if flush:
+        staging.flush_checks(m.update_id)
+        assert len(staging.current(m.update_id).checks) == 1  # one hand-over for the three buckets
+    with pytest.raises(NonFiniteWeightsError, match=r"buckets 0-2 checked by the engine's worker") as caught:
+        staging.take(m.update_id)
+    assert {mm.name: mm.actual for mm in caught.value.mismatches} == {
+        "b": "1 NaN and 0 Inf among 4 values",
+        "c": "0 NaN and 4 Inf among 4 values",
+    }

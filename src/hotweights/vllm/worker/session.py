@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar, cast
 import pydantic
 
 from hotweights.core import attach, envelope
+from hotweights.core.buckets import Bucket
 from hotweights.core.delta_wire import DeltaManifest
 from hotweights.core.errors import (
     DeltaBaseMismatchError,
@@ -197,9 +198,22 @@ class WorkerSession:
             self.staging.session.check_finite = not options.allow_nonfinite
 
     @_locked
-    def stage(self, update_id: str, bucket_json: str, descriptor: Descriptor | dict[str, Any]) -> int:
-        """Receive one bucket through its transport and check it against the manifest; returns the bytes staged."""
-        return self.staging.stage(update_id, bucket_json, descriptor)
+    def stage(
+        self,
+        update_id: str,
+        bucket_json: str | Bucket,
+        descriptor: Descriptor | dict[str, Any],
+        *,
+        defer_check: bool = False,
+    ) -> int:
+        """Receive one bucket through its transport and check it against the manifest; returns the bytes staged
+        (``defer_check``: :meth:`~hotweights.vllm.worker.staging.StagingArea.stage`)."""
+        return self.staging.stage(update_id, bucket_json, descriptor, defer_check=defer_check)
+
+    @_locked
+    def flush_checks(self, update_id: str) -> None:
+        """Start the NaN/Inf check of the buckets staged with ``defer_check`` (joined before the commit)."""
+        self.staging.flush_checks(update_id)
 
     @_locked
     def stage_tensors(self, update_id: str, tensors: TensorsLike) -> int:

@@ -68,6 +68,10 @@ class InstallSession:
     """Refuse a tensor holding NaN or Inf as it is staged (the session's ``allow_nonfinite`` turns it off)."""
     checks: list[Future[None]] = field(default_factory=list)
     """The NaN/Inf checks of staged buckets still running beside the transfer (joined before anything is taken)."""
+    unchecked: list[tuple[str, torch.Tensor]] = field(default_factory=list)
+    """Tensors staged with ``defer_check``, not yet checked: checked together by :meth:`StagingArea.flush_checks`,
+    at the latest when the session is taken."""
+    unchecked_buckets: list[int] = field(default_factory=list)
 
     def missing(self) -> list[str]:
         return [n for n in self.manifest.tensors if n not in self.received]
@@ -114,12 +118,22 @@ class StagingArea:
             raise RuntimeError(f"no open install session {update_id!r} on this worker (open: {active!r})")
         return session
 
-    def stage(self, update_id: str, bucket_json: str, descriptor: Descriptor | dict[str, Any]) -> int:
+    def stage(
+        self,
+        update_id: str,
+        bucket_json: str | Bucket,
+        descriptor: Descriptor | dict[str, Any],
+        *,
+        defer_check: bool = False,
+    ) -> int:
         """Receive one bucket through its transport and keep its tensors aside; returns the bytes staged.
+        ``bucket_json`` may be a :class:`~hotweights.core.buckets.Bucket` already (an in-process stager).
+        ``defer_check``: its NaN/Inf check waits for :meth:`flush_checks`, to check many small buckets together
+        (one hand-over to the checking thread instead of one per bucket); never skipped.
         ``descriptor``: its wire form (or, in the trainer's process, the typed descriptor itself)."""
         session = self.current(update_id)
         try:
-            bucket = Bucket.model_validate_json(bucket_json)
+            bucket = bucket_json if isinstance(bucket_json, Bucket) else Bucket.model_validate_json(bucket_json)
         except pydantic.ValidationError as exc:
             raise ValueError(
                 f"malformed bucket description: {exc.error_count()} error(s): {exc.errors()[:3]}"
@@ -151,6 +165,9 @@ class StagingArea:
             context = _checked_by_worker(session, f"bucket {bucket.index}")
             if session.stream is not None:  # it goes into the live model now
                 check_finite(tensors.items(), context)
+            elif defer_check:
+                session.unchecked.extend(tensors.items())
+                session.unchecked_buckets.append(bucket.index)
             else:  # checked beside the next bucket's transfer, joined before anything is taken
                 session.checks.append(_CHECKS.submit(check_finite, list(tensors.items()), context))
         session.digests_verified += sum(session.manifest.tensors[n].digest is not None for n in tensors)
@@ -162,6 +179,11 @@ class StagingArea:
             session.staged.update(tensors)
             session.keepalive.append(keepalive)
         return bucket.nbytes
+
+    def flush_checks(self, update_id: str) -> None:
+        """Start the NaN/Inf check of every tensor staged with ``defer_check`` since the last flush, in one go
+        beside whatever comes next; joined, as every check, before anything is taken."""
+        _flush_checks(self.current(update_id))
 
     def stage_by_reference(self, update_id: str, tensors: Any) -> int:
         """Stage every tensor of the update at once, by reference (an in-process engine). ``tensors`` are the
@@ -263,7 +285,16 @@ def _checked_by_worker(session: InstallSession, what: str) -> str:
     return f"update {m.update_id} (v{m.weight_version}; {what} checked by the engine's worker as it was staged)"
 
 
+def _flush_checks(session: InstallSession) -> None:
+    if session.unchecked:
+        first, last = session.unchecked_buckets[0], session.unchecked_buckets[-1]
+        context = _checked_by_worker(session, f"bucket {first}" if first == last else f"buckets {first}-{last}")
+        session.checks.append(_CHECKS.submit(check_finite, session.unchecked, context))
+        session.unchecked, session.unchecked_buckets = [], []
+
+
 def _refuse_incomplete(session: InstallSession) -> None:
+    _flush_checks(session)  # a deferred check is late at worst, never skipped
     checks, session.checks = session.checks, []
     for check in checks:
         check.result()  # raises the first bucket's NonFiniteWeightsError
