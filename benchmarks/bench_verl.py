@@ -21,8 +21,13 @@ is timed: after verl's ``process_weights_after_loading`` has run, hotweights' di
 rounds: the parameters after hotweights' path equal those after verl's path on the same set, bit for bit, and
 greedy tokens equal HF transformers' (exit 1 if not).
 
+verl's receiver connects its ZMQ socket with ZMQ's default reconnect interval, 100 ms: when the RPC connects before
+verl's sender has bound its socket, that sync waits for the retry (about 4 of 10 of verl's syncs here; hotweights'
+receiver retries every 2 ms). ``--verl-reconnect-ms 2`` gives verl's receiver the same interval, so that the two
+paths differ only in how they receive and install.
+
 Run: ``.venv-verl/bin/python benchmarks/bench_verl.py [--model 150m|many] [--rounds 10] [--bucket-mb 512]
-[--size tiny]`` (``make test-verl`` builds ``.venv-verl``).
+[--size tiny] [--verl-reconnect-ms 2]`` (``make test-verl`` builds ``.venv-verl``).
 """
 
 from __future__ import annotations
@@ -129,6 +134,12 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=10, help="timed rounds (after 2 untimed ones)")
     parser.add_argument("--bucket-mb", type=int, default=512, help="verl's bucket (its sender's default: 512)")
     parser.add_argument("--size", choices=["full", "tiny"], default="full", help="'tiny': quick smoke run")
+    parser.add_argument(
+        "--verl-reconnect-ms",
+        type=int,
+        default=None,
+        help="ZMQ's reconnect interval for verl's receiver too (hotweights' is 2 ms); default: verl's, ZMQ's 100 ms",
+    )
     args = parser.parse_args()
     t_start = time.perf_counter()
     import vllm
@@ -137,13 +148,18 @@ def main() -> None:
 
     use_cpu()
     no_repacking()
+    if args.verl_reconnect_ms is not None:  # the default of every socket made after (verl's receiver makes its own)
+        import zmq
+
+        zmq.Context.instance().setsockopt(zmq.RECONNECT_IVL, args.verl_reconnect_ms)
     models = [build_tiny_model("qwen2", seed=s, **MODELS[args.model][args.size]) for s in (1, 2)]
     pair = [{k: v.detach().clone().contiguous() for k, v in m.state_dict().items()} for m in models]
     nbytes = sum(t.nbytes for t in pair[0].values())
     print(
         f"vLLM {vllm.__version__}, torch {torch.__version__}, {os.cpu_count()} CPUs, load average "
         f"{os.getloadavg()[0]:.2f}; model {args.model}: {len(pair[0])} tensors, {nbytes / 1e6:.1f} MB fp32; "
-        f"verl's sender, shared memory, {args.bucket_mb} MB buckets",
+        f"verl's sender, shared memory, {args.bucket_mb} MB buckets; verl's receiver reconnects every "
+        f"{args.verl_reconnect_ms or 100} ms",
         flush=True,
     )
     times: dict[str, list[float]] = {name: [] for name in PATHS}
