@@ -27,7 +27,10 @@ once per model, same settings), after first asserting that A and B give differen
   transport (NCCL), then ``vllm_nccl``;
 - ``kv-loan``: an in-process engine sized by ``gpu_memory_utilization=0.9`` (no fixed KV size: vLLM 0.34's
   extensible KV cache takes the rest of the GPU), installed into three times;
-- ``moe``: a tiny Qwen3-MoE in-process, experts on the GPU.
+- ``moe``: a tiny Qwen3-MoE in-process, experts on the GPU;
+- ``verl-settle``: no engine: verl's receiver (``hotweights.integrations.verl_update.Update``) copies a 512 MB
+  bucket out of a GPU buffer, then the buffer is rewritten on another stream, as verl's sender rewrites its CUDA IPC
+  buffer once answered: the copies must hold the first bucket's values.
 
 Each line: ``PASS|FAIL|SKIP <check> <seconds> s <detail>``; exit 1 when any check failed.
 """
@@ -67,6 +70,7 @@ CHECKS = (
     "transfer-api",
     "kv-loan",
     "moe",
+    "verl-settle",
 )
 #: Every engine of the check, the fresh references included: the same settings give the same kernels (on CPU,
 #: vLLM's compiled model and its eager one differ in bf16 from the first token on).
@@ -108,6 +112,29 @@ class Pair:
         return {k: v.to(device) for k, v in self.sd[0].items()}
 
 
+def verl_settle() -> str:
+    """A bucket copied out of a GPU buffer by verl's receiver holds its values after the buffer is rewritten on
+    another stream right after ``stage`` returns (when the receiver answers verl's sender)."""
+    import types
+
+    from hotweights.integrations.verl_update import Update
+
+    n = 128 << 20  # float32 elements: 512 MB
+    buffer = torch.arange(n, dtype=torch.float32, device="cuda").remainder_(65536).view(torch.uint8)
+    expected = buffer.view(torch.float32).to(torch.bfloat16)
+    torch.cuda.synchronize()
+    update = Update(types.SimpleNamespace(), version=1, expected=None, dtype=torch.bfloat16)
+    update.stage(buffer, [("w", torch.Size([n]), torch.float32, 0)])
+    other = torch.cuda.Stream()
+    with torch.cuda.stream(other):  # verl's sender, told to go on
+        buffer.zero_()
+    torch.cuda.synchronize()
+    ((_, packed),) = update.pending
+    if not torch.equal(packed.view(torch.bfloat16), expected):
+        raise AssertionError("the bucket copied out of verl's buffer holds the sender's next writes")
+    return "512 MB copied out before the answer"
+
+
 def runner_of(llm: Any) -> str:
     """The model runner an in-process engine's worker uses (``vllm.v1.worker.gpu.model_runner``: Model Runner V2)."""
     driver = llm.llm_engine.model_executor.driver_worker
@@ -126,7 +153,7 @@ def main() -> int:
     device = "cuda"
     if args.cpu:
         device = "cpu"
-        only = [c for c in only if c not in ("cuda-ipc", "kv-loan", "aside-refused")]  # aside is taken on CPU
+        only = [c for c in only if c not in ("cuda-ipc", "kv-loan", "aside-refused", "verl-settle")]  # aside: CPU
     elif not torch.cuda.is_available():
         print("SKIP all: no CUDA GPU here (--cpu: a smoke run of the checks that need none)")
         return 0
@@ -163,6 +190,7 @@ def main() -> int:
         stall = f"{report.stall_s * 1e3:.0f} ms" if report.stall_s is not None else "none"
         return f"{report.adapter} {report.install_method or ''} {report.seconds * 1e3:.0f} ms, stall {stall}"
 
+    check("verl-settle", verl_settle)
     with tempfile.TemporaryDirectory(prefix="hotweights-gpu-") as tmp:
         qwen = Pair("qwen2", Path(tmp))
         inprocess = {"v2-reload", "v2-direct", "v2-reload-forced", "aside-refused", "sleep-wake"}

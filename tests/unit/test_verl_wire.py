@@ -104,6 +104,30 @@ def test_an_adapter_sync_copies_each_tensor_out_and_refuses_a_repeat_or_an_overr
     assert update.tensors == {} and update.commit() == {}  # nothing sent: nothing installed
 
 
+def test_each_bucket_is_settled_on_its_device_before_it_is_answered(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a GPU the copies out of verl's CUDA IPC buffer run asynchronously, and verl's sender rewrites that buffer
+    as soon as the bucket is answered: ``Update.stage`` (after which the receiver answers) returns only once the
+    copies it issued are done (``settle``, on the buffer's device; a no-op on a CPU, whose copies are done)."""
+    import types
+
+    from hotweights.integrations import verl_update
+
+    events: list[str] = []
+    pack = verl_update.pack
+    monkeypatch.setattr(verl_update, "pack", lambda *a: (events.append("copy"), pack(*a))[1])
+    monkeypatch.setattr(verl_update, "settle", lambda device: events.append(f"settle {device.type}"))
+    buffer = torch.arange(16, dtype=torch.float32).view(torch.uint8)
+    update = verl_update.Update(types.SimpleNamespace(), version=1, expected=None, dtype=torch.bfloat16)
+    update.stage(buffer, [("w", torch.Size([2, 2]), torch.float32, 0)])
+    update.stage(buffer, [("v", torch.Size([2, 2]), torch.float32, 16)], borrow=True)
+    assert events == ["copy", "settle cpu", "copy", "settle cpu"]
+    buffer.zero_()  # verl's sender rewrites its buffer once answered
+    (_, w), (_, v) = update.pending
+    assert w.view(torch.bfloat16).tolist() == [0.0, 1.0, 2.0, 3.0]  # cast to the engine's dtype as copied
+    assert v.view(torch.bfloat16).tolist() == [4.0, 5.0, 6.0, 7.0]
+    verl_update.settle(torch.device("cpu"))  # nothing to wait for on a CPU
+
+
 def test_the_worker_side_adapter_checks_name_every_module_its_lora_layers_do_not_take() -> None:
     from types import SimpleNamespace
 

@@ -38,6 +38,7 @@ __all__ = [
     "borrowed",
     "descriptor",
     "pack",
+    "settle",
     "verl_adapter",
     "views",
 ]
@@ -127,6 +128,7 @@ class Update:
                 self.pending.append((bucket, packed))
             else:
                 self.session.stage(self.update_id, bucket, descriptor(packed), defer_check=True)
+        settle(buffer.device)  # before the answer lets verl's sender rewrite its buffer, and before the check
         if self.update_id is not None:  # the bucket checked for NaN and Inf in one go, while verl's sender fills
             self.session.flush_checks(self.update_id)  # its next one (a check beside the copies slows both)
 
@@ -214,6 +216,15 @@ class Update:
         manifest = WeightUpdateManifest.from_specs(specs, weight_version=self.version, metadata={"sender": "verl"})
         opened = self.session.begin(SessionOptions(), manifest)
         self.update_id = str(opened["update_id"])
+
+
+def settle(device: torch.device) -> None:
+    """Wait for the copies this thread issued on ``device``: an accelerator runs them asynchronously, and verl's
+    sender rewrites its buffer (CUDA IPC) as soon as it is answered, while the NaN/Inf check reads the copies from
+    another thread (verl's own receiver synchronizes the device after each bucket too). Nothing to wait for on a
+    CPU."""
+    if device.type not in ("cpu", "meta"):
+        torch.accelerator.current_stream(device).synchronize()
 
 
 def views(
