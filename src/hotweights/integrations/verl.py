@@ -45,7 +45,7 @@ from hotweights.core.errors import (
 )
 from hotweights.core.lora import base_name
 from hotweights.core.manifest import ExpectedWeights
-from hotweights.integrations.verl_update import TRANSPORT, AdapterUpdate, Update
+from hotweights.integrations.verl_update import TRANSPORT, AdapterUpdate, Update, settle
 from hotweights.transports import BucketReceiver, Descriptor, Opened, available_transports, register_transport
 from hotweights.vllm import introspect
 from hotweights.vllm.worker.extension import HotWeightsWorkerExtension
@@ -326,7 +326,11 @@ class VerlReceiver(HotWeightsWorkerExtension):
                             buffer, answered = None, True
                             socket.send(b"")
                         if is_last:
-                            result = update.commit()
+                            try:
+                                result = update.commit()
+                            finally:  # a commit that read verl's buffer is done before the buffer is released
+                                if buffer is not None:
+                                    settle(buffer.tensor.device)
                 except Exception as exc:
                     refusal = refusal or exc
                     update.abort()
