@@ -15,7 +15,7 @@ from typing import Any
 from hotweights.core.errors import EngineNotSupportedError
 from hotweights.vllm.introspect import extension_class_is_ours
 
-__all__ = ["STATUS_TIMEOUT", "NoWorkers", "Workers", "extension_class_is_ours"]
+__all__ = ["STATUS_TIMEOUT", "NoWorkers", "Workers"]
 
 #: Seconds for the small worker calls (the extension's status, its pause record).
 STATUS_TIMEOUT = 30.0

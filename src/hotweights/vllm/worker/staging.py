@@ -72,6 +72,7 @@ class InstallSession:
     """Tensors staged with ``defer_check``, not yet checked: checked together by :meth:`StagingArea.flush_checks`,
     at the latest when the session is taken."""
     unchecked_buckets: list[int] = field(default_factory=list)
+    """The indices of the buckets ``unchecked`` came in (a refusal names them)."""
 
     def missing(self) -> list[str]:
         return [n for n in self.manifest.tensors if n not in self.received]
@@ -165,7 +166,7 @@ class StagingArea:
             context = _checked_by_worker(session, f"bucket {bucket.index}")
             if session.stream is not None:  # it goes into the live model now
                 check_finite(tensors.items(), context)
-            elif defer_check:
+            elif defer_check:  # checked with others at the next flush
                 session.unchecked.extend(tensors.items())
                 session.unchecked_buckets.append(bucket.index)
             else:  # checked beside the next bucket's transfer, joined before anything is taken
